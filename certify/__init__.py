@@ -1,0 +1,1 @@
+"""A generic certification framework: cells, oracles, receipts, reports. It names no model."""

@@ -1,0 +1,104 @@
+"""The ``certify`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from certify.archs import present_archs
+from certify.catalog import load_catalog
+from certify.paths import project_paths
+from certify.receipts import load_receipts
+from certify.report import build_rows, report_extras, terminal_report, write_reports
+from certify.runner import run_targets, select
+from certify.schema import TIERS, OpFile
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    paths = project_paths()
+    catalog = load_catalog(paths.cells)
+    for e in catalog.errors:
+        print(f"error: {e}", file=sys.stderr)
+    chosen = select(catalog, args.op, args.tier, args.arch, only_outdated=args.outdated,
+                    receipts_dir=paths.receipts)
+    receipts = run_targets(chosen, None if args.dry_run else paths.receipts)
+    bad = [r for r in receipts if r.status != "passed"]
+    print(f"{len(receipts)} certification(s) run on {', '.join(args.arch or present_archs())}: "
+          f"{len(receipts) - len(bad)} passed, {len(bad)} not passed")
+    for r in bad:
+        print(f"  {r.status.upper()} {r.op}::{r.variant}::{r.cell}::{r.arch}\n    "
+              + r.message.replace("\n", "\n    "))
+    return 1 if bad or catalog.errors else 0
+
+
+def _cmd_report(args: argparse.Namespace) -> int:
+    paths = project_paths()
+    catalog = load_catalog(paths.cells)
+    if not args.no_run:
+        chosen = select(catalog, args.op, None, None, only_outdated=not args.all,
+                        receipts_dir=paths.receipts)
+        if chosen:
+            print(f"certifying {len(chosen)} outdated or missing cell(s) on "
+                  f"{', '.join(present_archs())} ...", file=sys.stderr)
+            run_targets(chosen, paths.receipts)
+    rows = build_rows(catalog, load_receipts(paths.receipts))
+    extras = report_extras(paths.extras)
+    print(terminal_report(catalog, rows))
+    if extras:
+        print("\n" + "\n".join(extras))
+    written = write_reports(paths.reports, catalog, rows, extras)
+    print(f"\nwrote {len(written)} report file(s) under {paths.reports.relative_to(paths.root)}/")
+    failed = any(s == "failed" for r in rows for s in r.status.values())
+    return 1 if (failed or catalog.errors) and args.strict else 0
+
+
+def _cmd_schema(args: argparse.Namespace) -> int:
+    paths = project_paths()
+    paths.schema.mkdir(parents=True, exist_ok=True)
+    out = paths.schema / "cells.schema.json"
+    out.write_text(schema_text())
+    print(f"wrote {out.relative_to(paths.root)}")
+    return 0
+
+
+def schema_text() -> str:
+    return json.dumps(OpFile.model_json_schema(), indent=2, sort_keys=True) + "\n"
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    catalog = load_catalog(project_paths().cells)
+    for e in catalog.errors:
+        print(e)
+    print(f"{len(catalog.ops)} op(s) loaded, {len(catalog.errors)} file(s) with errors")
+    return 1 if catalog.errors else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="certify", description=__doc__)
+    sub = p.add_subparsers(dest="cmd")
+    r = sub.add_parser("report", help="certify what is outdated, then print and write the reports")
+    r.add_argument("--no-run", action="store_true", help="only render from the receipts as they are")
+    r.add_argument("--all", action="store_true", help="re-certify everything, not only the outdated")
+    r.add_argument("--op", action="append", help="limit the certification step to these ops")
+    r.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
+    r.set_defaults(fn=_cmd_report)
+    c = sub.add_parser("run", help="certify cells and write receipts")
+    c.add_argument("--op", action="append")
+    c.add_argument("--tier", action="append", choices=TIERS)
+    c.add_argument("--arch", action="append", help="default: every arch this machine has")
+    c.add_argument("--outdated", action="store_true", help="skip targets with a fresh receipt")
+    c.add_argument("--dry-run", action="store_true", help="run, but write no receipts")
+    c.set_defaults(fn=_cmd_run)
+    s = sub.add_parser("schema", help="export the cell-file JSON Schema for editors")
+    s.set_defaults(fn=_cmd_schema)
+    k = sub.add_parser("check", help="load every cell file and report errors")
+    k.set_defaults(fn=_cmd_check)
+    args = p.parse_args(argv)
+    if not getattr(args, "fn", None):
+        args = p.parse_args(["report", *(argv or [])])
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

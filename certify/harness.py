@@ -1,0 +1,166 @@
+"""Certify one (op, variant, cell, arch): build seeded inputs, run the spec and the variant, apply the
+oracle. The pytest items, ``certify run`` and the framework's own tests all go through ``certify_cell``.
+
+Contracts a target's modules follow (see the cell file of any op):
+- the input builder ``build(axes, gen, device) -> Case``: seeded from (op, cell), never all zeros;
+- the spec function ``spec(**inputs) -> dict[name, Tensor]`` (pure, float64-capable);
+- a variant ``impl(**inputs, **outputs) -> None`` writes every declared output into the buffers it is
+  given (poisoned first), and updates the inputs named in ``Case.inplace`` in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import os
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from certify import oracles
+from certify.archs import device_for
+from certify.schema import Cell, OpFile
+
+
+@dataclass
+class OutSpec:
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass
+class Case:
+    """Inputs of one cell and the outputs a variant must write."""
+
+    inputs: dict[str, Any]
+    outputs: dict[str, OutSpec]
+    inplace: dict[str, str] = field(default_factory=dict)  # output name -> input it updates in place
+
+
+@dataclass
+class Outcome:
+    status: str  # passed | failed | error
+    metrics: dict[str, float] = field(default_factory=dict)
+    message: str = ""
+    seconds: float = 0.0
+    ran: dict[str, bool] = field(default_factory=dict)  # spec / variant / oracle actually ran
+
+
+def resolve(path: str) -> Callable:
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def seed_for(op: str, cell_id: str) -> int:
+    """A stable 63-bit seed from (op, cell): a failure reproduces from its name alone."""
+    return int.from_bytes(hashlib.sha256(f"{op}/{cell_id}".encode()).digest()[:8], "big") >> 1
+
+
+def build_case(op: OpFile, cell: Cell, device: torch.device) -> Case:
+    gen = torch.Generator(device="cpu").manual_seed(seed_for(op.op, cell.id))
+    case: Case = resolve(op.inputs)(op.axes_of(cell), gen, device)
+    return case
+
+
+def _clone(x: Any) -> Any:
+    return x.clone() if isinstance(x, torch.Tensor) else x
+
+
+def _to64(x: Any) -> Any:
+    if isinstance(x, torch.Tensor) and x.dtype.is_floating_point:
+        return x.detach().to(torch.float64)
+    return _clone(x)
+
+
+def run_variant(impl: Callable, case: Case) -> dict[str, torch.Tensor]:
+    """Call a variant on fresh copies of the inputs with poisoned output buffers; return its outputs."""
+    inputs = {k: _clone(v) for k, v in case.inputs.items()}
+    device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), "cpu")
+    outs = {name: oracles.poison(torch.empty(spec.shape, dtype=spec.dtype, device=device))
+            for name, spec in case.outputs.items() if name not in case.inplace}
+    impl(**inputs, **outs)
+    for out_name, in_name in case.inplace.items():
+        outs[out_name] = inputs[in_name]
+    return outs
+
+
+def run_spec(spec: Callable, case: Case, reference: bool) -> dict[str, torch.Tensor]:
+    conv = _to64 if reference else _clone
+    res = spec(**{k: conv(v) for k, v in case.inputs.items()})
+    if isinstance(res, dict):
+        return res
+    if isinstance(res, tuple):  # a spec returning a tuple names its results in Case.outputs order
+        return dict(zip(case.outputs, res))
+    return {next(iter(case.outputs), "out"): res}
+
+
+def certify_cell(op: OpFile, variant_name: str, cell: Cell, arch: str,
+                 impl_override: Callable | None = None) -> Outcome:
+    """Certify one variant at one cell on one arch. Never raises: errors become an 'error' outcome."""
+    t0 = time.perf_counter()
+    ran = {"spec": False, "variant": False, "oracle": False}
+    try:
+        variant = op.variant(variant_name)
+        if arch == "cpu-interpret":
+            # Triton reads this when a kernel is decorated, so it must be set before the import.
+            os.environ.setdefault("TRITON_INTERPRET", "1")
+        impl = impl_override or resolve(variant.impl)
+        spec = resolve(op.spec)
+        case = build_case(op, cell, device_for(arch))
+        got = run_variant(impl, case)
+        ran["variant"] = True
+        verdicts = _apply_oracle(op, cell, spec, impl, case, got, ran)
+        metrics: dict[str, float] = {}
+        problems: list[str] = []
+        for v in verdicts:
+            metrics.update(v.metrics)
+            problems += v.problems
+        status = "passed" if not problems else "failed"
+        return Outcome(status, metrics, "\n".join(problems), time.perf_counter() - t0, ran)
+    except Exception as e:  # noqa: BLE001 - a crash in one cell must not stop the others
+        tb = traceback.format_exception_only(type(e), e)[-1].strip()
+        return Outcome("error", {}, f"{tb}\n{traceback.format_exc(limit=-3)}",
+                       time.perf_counter() - t0, ran)
+
+
+def _apply_oracle(op: OpFile, cell: Cell, spec: Callable, impl: Callable, case: Case,
+                  got: dict[str, torch.Tensor], ran: dict[str, bool]) -> list[oracles.Verdict]:
+    o = cell.oracle
+    verdicts: list[oracles.Verdict] = []
+    missing = set(case.outputs) - set(got)
+    if missing:
+        return [oracles.Verdict(False, problems=[f"outputs never produced: {sorted(missing)}"])]
+    if o.kind == "tolerance":
+        ref = run_spec(spec, case, reference=True)
+        ran["spec"] = True
+        unknown = set(o.outputs) - set(case.outputs)
+        if unknown or set(case.outputs) - set(o.outputs):
+            return [oracles.Verdict(False, problems=[
+                f"the oracle's bands {sorted(o.outputs)} must name exactly the outputs "
+                f"{sorted(case.outputs)}"])]
+        for name, band in o.outputs.items():
+            verdicts.append(oracles.tolerance(name, got[name].cpu(), ref[name].cpu(), band.max_ulp,
+                                              band.max_rel_rms, band.allow_matching_inf))
+        ran["oracle"] = True
+        return verdicts
+    # Bitwise: against the spec in the same dtypes (its own rounding points), or another variant.
+    if o.against == "spec":
+        ref = run_spec(spec, case, reference=False)
+        ran["spec"] = True
+    else:
+        ref = run_variant(resolve(op.variant(o.against.split(":", 1)[1]).impl), case)
+        ran["spec"] = True  # the named reference ran in the spec's place
+    for name in case.outputs:
+        v = oracles.bitwise(name, got[name].cpu(), ref[name].cpu(), o.signed_zero_equal)
+        if not v.passed and got[name].dtype.is_floating_point:
+            ref64 = run_spec(spec, case, reference=True)[name].cpu()
+            who, e_got, e_ref = oracles.closer_to_float64(got[name].cpu(), ref[name].cpu(), ref64)
+            side = {"a": "the variant", "b": f"the reference ({o.against})", "tie": "neither"}[who]
+            v.problems.append(f"{name}: closer to float64: {side} (rms error {e_got:.3g} vs "
+                              f"{e_ref:.3g})")
+        verdicts.append(v)
+    ran["oracle"] = True
+    return verdicts

@@ -1,0 +1,35 @@
+"""Which certifications a catalog asks for: every (op, variant, cell, arch)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+from certify.rules import evaluate
+from certify.schema import Cell, OpFile, Variant
+
+
+@dataclass(frozen=True)
+class Target:
+    op: OpFile
+    variant: Variant
+    cell: Cell
+    arch: str
+
+    @property
+    def name(self) -> str:
+        return f"{self.op.op}::{self.variant.name}::{self.cell.id}::{self.arch}"
+
+
+def variants_of_cell(op: OpFile, cell: Cell) -> list[Variant]:
+    """The variants a cell certifies: those it names, else every variant whose rule accepts it."""
+    if cell.variants is not None:
+        return [op.variant(n) for n in cell.variants]
+    return [v for v in op.variants if evaluate(v.dispatch, op.axes_of(cell))]
+
+
+def targets(op: OpFile) -> Iterator[Target]:
+    for cell in op.cells:
+        for variant in variants_of_cell(op, cell):
+            for arch in variant.archs:
+                yield Target(op, variant, cell, arch)

@@ -1,0 +1,54 @@
+"""``certify run``: certify the targets of the catalog on the archs this machine has, with progress,
+and merge the receipts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from certify.archs import present_archs
+from certify.catalog import Catalog
+from certify.harness import certify_cell
+from certify.plan import Target, targets
+from certify.receipts import Receipt, freshness, load_receipts, make_receipt, write_receipts
+
+
+def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | None = None,
+           archs: list[str] | None = None, only_outdated: bool = False,
+           receipts_dir: Path | None = None) -> list[Target]:
+    have = set(archs or present_archs())
+    books = load_receipts(receipts_dir) if (only_outdated and receipts_dir) else {}
+    chosen = []
+    for name, op in sorted(catalog.ops.items()):
+        if ops and name not in ops:
+            continue
+        for t in targets(op):
+            if t.arch not in have or (tiers and t.cell.tier not in tiers):
+                continue
+            if only_outdated:
+                r = books.get(t.arch, {}).get((op.op, t.variant.name, t.cell.id))
+                if freshness(r, op, t.variant.name, t.cell) == "certified":
+                    continue
+            chosen.append(t)
+    return chosen
+
+
+def run_targets(chosen: list[Target], receipts_dir: Path | None, show_progress: bool = True
+                ) -> list[Receipt]:
+    """Run each target, write receipts (when a directory is given), return them."""
+    out: list[Receipt] = []
+    disable = not show_progress or os.environ.get("CI") == "true"
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+               TimeElapsedColumn())
+    with Progress(*columns, disable=disable, transient=True) as progress:
+        task = progress.add_task("certifying", total=len(chosen))
+        for t in chosen:
+            progress.update(task, description=f"{t.op.op} {t.variant.name} {t.cell.id} {t.arch}")
+            outcome = certify_cell(t.op, t.variant.name, t.cell, t.arch)
+            out.append(make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome))
+            progress.advance(task)
+    if receipts_dir is not None and out:
+        write_receipts(receipts_dir, out)
+    return out

@@ -1,0 +1,142 @@
+"""The pydantic schema of a cell file, ``<cells dir>/<op>.yaml``: one op, its variants, its cells.
+
+The JSON Schema for editors is exported from these models by ``certify schema``.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from certify.rules import RuleError, parse_rule, rule_names
+
+Arch = Literal["cpu", "cpu-interpret", "sm_90", "sm_100", "sm_103"]
+Tier = Literal["premerge", "postmerge", "ondemand"]
+TIERS: tuple[str, ...] = ("premerge", "postmerge", "ondemand")
+_IDENT = r"^[a-z][a-z0-9_]*$"
+_CALLABLE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+
+
+class Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Axis(Strict):
+    """One axis of an op's reach domain: an integer range or a set of choices."""
+
+    kind: Literal["int", "choice"]
+    reach: tuple[int, int] | None = Field(None, description="inclusive [lo, hi] for an int axis")
+    values: tuple[str | int | bool, ...] | None = Field(None, description="the choices of a choice axis")
+    doc: str = ""
+
+    @model_validator(mode="after")
+    def _domain(self) -> "Axis":
+        if self.kind == "int" and (self.reach is None or self.reach[0] > self.reach[1]):
+            raise ValueError("an int axis needs reach: [lo, hi] with lo <= hi")
+        if self.kind == "choice" and not self.values:
+            raise ValueError("a choice axis needs a non-empty values list")
+        return self
+
+    def contains(self, value: object) -> bool:
+        if self.kind == "int":
+            return isinstance(value, int) and not isinstance(value, bool) and \
+                self.reach[0] <= value <= self.reach[1]
+        return value in self.values
+
+
+class Variant(Strict):
+    """One compiled path of the op. ``dispatch`` is the rule impl/ uses to choose it (first match wins,
+    in file order, among the variants that run on the current arch)."""
+
+    name: str = Field(pattern=_IDENT)
+    impl: str = Field(pattern=_CALLABLE, description="module:function of the implementation")
+    archs: tuple[Arch, ...] = Field(min_length=1)
+    dispatch: str = "true"
+    batch_invariant: bool = True
+    doc: str = ""
+
+    @field_validator("dispatch")
+    @classmethod
+    def _rule_parses(cls, v: str) -> str:
+        try:
+            parse_rule(v)
+        except RuleError as e:
+            raise ValueError(str(e)) from None
+        return v
+
+
+class OutputBand(Strict):
+    """A tolerance band for one output, in units of the output dtype's ulp, with its derivation."""
+
+    max_ulp: float = Field(gt=0, description="max |out - ref| / ulp(row max |ref|), per element")
+    max_rel_rms: float = Field(gt=0, description="max rms(out - ref) / rms(ref), in units of dtype eps")
+    derivation: str = Field(min_length=20, description="why this band: the rounding points it sums")
+    measured_ulp: float | None = Field(None, description="worst case measured when the band was set")
+    allow_matching_inf: bool = Field(False, description="an inf equal to the reference's passes")
+
+
+class Oracle(Strict):
+    kind: Literal["bitwise", "tolerance"]
+    against: str = Field("spec", description="'spec' or 'variant:<name>' (bitwise only)")
+    outputs: dict[str, OutputBand] = Field(default_factory=dict)
+    signed_zero_equal: bool = Field(False, description="-0.0 == +0.0 (only where the spec says so)")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "Oracle":
+        if self.kind == "tolerance" and not self.outputs:
+            raise ValueError("a tolerance oracle needs a band per output (outputs: {name: band})")
+        if self.kind == "tolerance" and self.against != "spec":
+            raise ValueError("a tolerance oracle compares against the float64 spec only")
+        if self.against != "spec" and not re.match(r"^variant:[a-z][a-z0-9_]*$", self.against):
+            raise ValueError("against must be 'spec' or 'variant:<name>'")
+        return self
+
+
+class Cell(Strict):
+    id: str = Field(pattern=_IDENT)
+    axes: dict[str, str | int | bool]
+    why: str = Field(min_length=10, description="what this cell covers that the others do not")
+    tier: Tier
+    oracle: Oracle
+    variants: tuple[str, ...] | None = Field(
+        None, description="variants certified here; default: every variant whose rule accepts it")
+
+
+class NotCertified(Strict):
+    what: str = Field(min_length=5)
+    why: str = Field(min_length=5)
+
+
+class OpFile(Strict):
+    """One op: ``op`` must equal the file's stem."""
+
+    op: str = Field(pattern=_IDENT)
+    summary: str = Field(min_length=10)
+    spec: str = Field(pattern=_CALLABLE, description="module:function of the spec")
+    inputs: str = Field(pattern=_CALLABLE, description="module:function building a Case from a cell")
+    axes: dict[str, Axis] = Field(min_length=1)
+    variants: tuple[Variant, ...] = Field(min_length=1)
+    cells: tuple[Cell, ...] = Field(min_length=1)
+    not_certified: tuple[NotCertified, ...] = ()
+    note: str = ""
+
+    def axes_of(self, cell: Cell) -> dict[str, str | int | bool]:
+        """A cell's full axis values: an axis with a single choice may be left out of the cell."""
+        full = {n: a.values[0] for n, a in self.axes.items()
+                if a.kind == "choice" and len(a.values) == 1}
+        full.update(cell.axes)
+        return full
+
+    def variant(self, name: str) -> Variant:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise KeyError(name)
+
+    def cell(self, cell_id: str) -> Cell:
+        for c in self.cells:
+            if c.id == cell_id:
+                return c
+        raise KeyError(cell_id)

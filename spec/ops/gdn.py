@@ -1,0 +1,236 @@
+"""Gated-DeltaNet (GDN) layer ops, Qwen3-Next layout (MATH.md, "GDN layer").
+
+Public definitions followed: the gated delta rule of Yang, Kautz & Hatamizadeh, "Gated Delta Networks:
+Improving Mamba2 with Delta Rule" (ICLR 2025); its Qwen3-Next form (transformers'
+``torch_recurrent_gated_delta_rule`` / ``torch_chunk_gated_delta_rule``: l2-normalised q and k, q scaled
+by 1/sqrt(d_k), gate ``g = -exp(A_log) * softplus(a + dt_bias)``, ``beta = sigmoid(b)``); the naive
+reference of flash-linear-attention (``fla/ops/gated_delta_rule/naive.py``).
+
+Shapes (B requests, T rows a request, HK key heads, HV = 3 * HK value heads, K = d_k, V = d_v):
+q, k [B, T, HK, K]; v, z [B, T, HV, V]; a, b [B, T, HV]; state S [B, HV, K, V] (S[k, v], o = S^T q).
+Value head ``h`` reads key head ``h // (HV // HK)`` (grouped value attention).
+
+Rounding points (non-reference mode), decided here where MATH.md is silent:
+- gates, l2norm and the recurrence run in fp32 whatever the activation dtype;
+- a state stored in bf16 is rounded to bf16 after *every* row: each row is one step, so a verify of
+  T rows equals T decode steps bit for bit (the speculative-equals-plain oracle needs exactly that);
+- the recurrence output o stays fp32 until the gated RMSNorm, which rounds it twice (spec.ops.norms).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to
+from spec.ops.norms import gated_rmsnorm
+
+CONV_KERNEL = 4
+L2NORM_EPS = 1e-6
+SOFTPLUS_THRESHOLD = 20.0
+
+
+# ---------------------------------------------------------------- gates
+
+
+def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``beta = sigmoid(b)``, ``g = -exp(A_log) * softplus(a + dt_bias)`` (softplus threshold 20).
+
+    a, b [..., HV] activation dtype; A_log, dt_bias [HV] fp32. Returns (g, beta) in the acc dtype.
+    """
+    acc = acc_dtype(a, b, A_log, dt_bias)
+    g = -torch.exp(A_log.to(acc)) * F.softplus(a.to(acc) + dt_bias.to(acc), beta=1.0,
+                                                threshold=SOFTPLUS_THRESHOLD)
+    beta = torch.sigmoid(b.to(acc))
+    return g, beta
+
+
+# ---------------------------------------------------------------- causal conv
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Depthwise causal conv (kernel 4, no bias) + SiLU over one sequence per batch row.
+
+    ``y_t = silu(sum_{j=0..3} W[:, j] * x_{t-3+j})``; inputs before the sequence are 0, or the conv
+    state when given. x [B, T, C]; weight [C, 4]; conv_state [B, C, 3] (the last 3 inputs, oldest
+    first). Returns (y [B, T, C] in x's dtype, new conv state [B, C, 3] in x's dtype: the last 3
+    inputs, which are stored values and so exact).
+    """
+    B, T, C = x.shape
+    acc = acc_dtype(x, weight)
+    hist = CONV_KERNEL - 1
+    if conv_state is None:
+        conv_state = torch.zeros(B, C, hist, dtype=x.dtype, device=x.device)
+    window = torch.cat([conv_state.transpose(1, 2).to(x.dtype), x], dim=1)  # [B, 3 + T, C]
+    wf = weight.to(acc)
+    acc_y = torch.zeros(B, T, C, dtype=acc, device=x.device)
+    for j in range(CONV_KERNEL):  # fixed order: oldest tap first
+        acc_y = acc_y + wf[:, j] * window[:, j:j + T].to(acc)
+    y = out_cast(F.silu(acc_y), x.dtype, is_reference_mode(x, weight))
+    new_state = window[:, -hist:].transpose(1, 2).contiguous()
+    return y, new_state
+
+
+def causal_conv1d_update(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One decode step of the causal conv: append x [B, C] to the state [B, C, 3], drop the oldest.
+
+    Defined as ``causal_conv1d`` on a one-token sequence, so prefill-then-update equals prefill over the
+    whole sequence by construction. Returns (y [B, C], new state [B, C, 3]).
+    """
+    y, new_state = causal_conv1d(x.unsqueeze(1), weight, conv_state)
+    return y.squeeze(1), new_state
+
+
+# ---------------------------------------------------------------- recurrence
+
+
+def l2norm(x: torch.Tensor, eps: float = L2NORM_EPS) -> torch.Tensor:
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (eps inside the sqrt), in the acc dtype."""
+    xf = x.to(acc_dtype(x))
+    return xf * torch.rsqrt(xf.pow(2).sum(dim=-1, keepdim=True) + eps)
+
+
+def _expand_kv_heads(t: torch.Tensor, hv: int) -> torch.Tensor:
+    """[..., HK, D] -> [..., HV, D]: value head h reads key head h // (HV // HK)."""
+    return t.repeat_interleave(hv // t.shape[-2], dim=-2)
+
+
+def _prepare(q, k, v, g, beta, state):
+    acc = acc_dtype(q, k, v, g, beta, state)
+    hv = v.shape[-2]
+    d_k = q.shape[-1]
+    qh = _expand_kv_heads(l2norm(q.to(acc)), hv) / (d_k ** 0.5)
+    kh = _expand_kv_heads(l2norm(k.to(acc)), hv)
+    return acc, qh, kh, v.to(acc), g.to(acc), beta.to(acc)
+
+
+def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                  beta: torch.Tensor, state: torch.Tensor | None = None,
+                  state_dtype: torch.dtype | None = None,
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The gated delta rule, one row at a time (the definition every other form must equal).
+
+    Per value head: ``S = exp(g_t) S; u = beta_t (v_t - S^T k^); S = S + k^ u^T; o_t = S^T q^`` with
+    ``q^ = l2norm(q) / sqrt(d_k)``, ``k^ = l2norm(k)``.
+    q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV] (from ``gdn_gates``);
+    state [B, HV, K, V] or None (zeros). ``state_dtype`` is the storage dtype (default: the state's
+    dtype, else fp32); outside reference mode the state is rounded to it after every row.
+    Returns (o [B, T, HV, V] acc dtype, states after each row [B, T, HV, K, V] in the storage dtype,
+    final state [B, HV, K, V] in the storage dtype).
+    """
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    acc, qh, kh, vf, gf, bf = _prepare(q, k, v, g, beta, state)
+    store = state_dtype or (state.dtype if state is not None else torch.float32)
+    reference = acc == torch.float64
+    S = (torch.zeros(B, HV, K, V, dtype=acc, device=v.device) if state is None else state.to(acc))
+    outs, states = [], []
+    for t in range(T):
+        S = S * torch.exp(gf[:, t])[..., None, None]
+        kS = torch.einsum("bhk,bhkv->bhv", kh[:, t], S)
+        u = bf[:, t][..., None] * (vf[:, t] - kS)
+        S = S + kh[:, t][..., :, None] * u[..., None, :]
+        S = round_to(S, store, reference)
+        outs.append(torch.einsum("bhk,bhkv->bhv", qh[:, t], S))
+        states.append(S)
+    o = torch.stack(outs, dim=1)
+    all_states = torch.stack(states, dim=1)
+    return o, out_cast(all_states, store, reference), out_cast(S, store, reference)
+
+
+def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                beta: torch.Tensor, state: torch.Tensor | None = None, chunk: int = 64,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The same function as ``gdn_recurrent`` in chunked (WY) form, chunk 64: (o, final state).
+
+    Within a chunk with start state S0 and cumulative log decay G_t = sum_{i<=t} g_i, the deltas
+    U = [u_1..u_C] solve the unit lower-triangular system ``(I + A) U = beta * (V - e^G * (K^ S0))``
+    with ``A[t, i] = beta_t e^{G_t - G_i} (k^_t . k^_i)`` for i < t; then
+    ``o_t = e^{G_t} S0^T q^_t + sum_{i<=t} e^{G_t - G_i} (q^_t . k^_i) u_i`` and
+    ``S_C = e^{G_C} S0 + sum_i e^{G_C - G_i} k^_i u_i^T``. A fp32 state is assumed (no per-row
+    storage rounding), so it is meant for the float64 and fp32 paths.
+    """
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    acc, qh, kh, vf, gf, bf = _prepare(q, k, v, g, beta, state)
+    S = (torch.zeros(B, HV, K, V, dtype=acc, device=v.device) if state is None else state.to(acc))
+    outs = []
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(T, c0 + chunk))
+        # [B, HV, C, *] layout for the chunk.
+        qc, kc, vc = (t[:, sl].transpose(1, 2) for t in (qh, kh, vf))
+        gc, bc = gf[:, sl].transpose(1, 2), bf[:, sl].transpose(1, 2)
+        C = qc.shape[2]
+        G = gc.cumsum(dim=-1)                                   # [B, HV, C]
+        decay = torch.exp(G[..., :, None] - G[..., None, :])    # e^{G_t - G_i}
+        causal = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        decay = decay.masked_fill(~causal, 0.0)
+        kk = kc @ kc.transpose(-1, -2)
+        A = (bc[..., :, None] * decay * kk).masked_fill(causal.logical_not() | torch.eye(
+            C, dtype=torch.bool, device=v.device), 0.0)
+        rhs = bc[..., None] * (vc - torch.exp(G)[..., None] * (kc @ S))
+        eye = torch.eye(C, dtype=acc, device=v.device)
+        U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
+        qk = (qc @ kc.transpose(-1, -2)) * decay
+        o = torch.exp(G)[..., None] * (qc @ S) + qk @ U
+        outs.append(o.transpose(1, 2))
+        tail = torch.exp(G[..., -1:] - G)                        # e^{G_C - G_i}
+        S = torch.exp(G[..., -1])[..., None, None] * S + (kc * tail[..., None]).transpose(-1, -2) @ U
+    return torch.cat(outs, dim=1), S
+
+
+# ---------------------------------------------------------------- the layer's fused steps
+
+
+def gdn_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor,
+               norm_w: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+               ) -> dict[str, torch.Tensor]:
+    """One decode step per request over a state pool: gates + recurrence + gated RMSNorm.
+
+    q, k [B, HK, K]; v, z [B, HV, V]; a, b [B, HV]; A_log, dt_bias [HV]; norm_w [V];
+    state_pool [P, HV, K, V] (fp32 or bf16 storage); slots [B] int (distinct pool rows).
+    Returns ``out`` [B, HV, V] in z's dtype and ``state_pool``: a new pool whose rows ``slots`` hold
+    the states after the step (the other rows unchanged).
+    """
+    res = gdn_verify(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), a.unsqueeze(1),
+                     b.unsqueeze(1), A_log, dt_bias, z.unsqueeze(1), norm_w, state_pool, slots)
+    pool = state_pool.to(res["states"].dtype).clone()
+    pool[slots.long()] = res["states"][:, 0]
+    return {"out": res["out"][:, 0], "state_pool": pool}
+
+
+def gdn_verify(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+               b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor,
+               norm_w: torch.Tensor, state_pool: torch.Tensor, slots: torch.Tensor,
+               ) -> dict[str, torch.Tensor]:
+    """The MTP verify step: T rows a request from the pool state, recording the state after each row.
+
+    Shapes as ``gdn_decode`` with a row axis: q, k [B, T, HK, K]; v, z [B, T, HV, V]; a, b [B, T, HV].
+    The pool is read, never written: commit (rollback) later copies entry ``num_accepted - 1``.
+    Returns ``out`` [B, T, HV, V] in z's dtype and ``states`` [B, T, HV, K, V] in the pool's dtype
+    (float64 in reference mode).
+    """
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    state = state_pool[slots.long()]
+    o, states, _ = gdn_recurrent(q, k, v, g, beta, state, state_dtype=state_pool.dtype)
+    out = gated_rmsnorm(o, z, norm_w)
+    return {"out": out, "states": states}
+
+
+def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor,
+                norm_w: torch.Tensor, state: torch.Tensor | None = None,
+                ) -> dict[str, torch.Tensor]:
+    """Prefill of whole sequences: gates + recurrence (recurrent form) + gated RMSNorm.
+
+    q, k [B, T, HK, K]; v, z [B, T, HV, V]; a, b [B, T, HV]; state [B, HV, K, V] fp32 or None.
+    Returns ``out`` [B, T, HV, V] in z's dtype and ``final_state`` [B, HV, K, V] (fp32, float64 in
+    reference mode). The chunked form ``gdn_chunked`` computes the same function.
+    """
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    o, _, final = gdn_recurrent(q, k, v, g, beta, state, state_dtype=torch.float32)
+    return {"out": gated_rmsnorm(o, z, norm_w), "final_state": final}
