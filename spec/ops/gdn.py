@@ -109,8 +109,8 @@ def _prepare(q, k, v, g, beta, state):
 
 def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                   beta: torch.Tensor, state: torch.Tensor | None = None,
-                  state_dtype: torch.dtype | None = None,
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  state_dtype: torch.dtype | None = None, record: bool = True,
+                  ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The gated delta rule, one row at a time (the definition every other form must equal).
 
     Per value head: ``S = exp(g_t) S; u = beta_t (v_t - S^T k^); S = S + k^ u^T; o_t = S^T q^`` with
@@ -118,8 +118,9 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     q, k [B, T, HK, K]; v [B, T, HV, V]; g, beta [B, T, HV] (from ``gdn_gates``);
     state [B, HV, K, V] or None (zeros). ``state_dtype`` is the storage dtype (default: the state's
     dtype, else fp32); outside reference mode the state is rounded to it after every row.
-    Returns (o [B, T, HV, V] acc dtype, states after each row [B, T, HV, K, V] in the storage dtype,
-    final state [B, HV, K, V] in the storage dtype).
+    Returns (o [B, T, HV, V] acc dtype, states after each row [B, T, HV, K, V] in the storage dtype
+    or None when ``record`` is False (a long prefill would not fit), final state [B, HV, K, V] in the
+    storage dtype).
     """
     B, T, HV, V = v.shape
     K = q.shape[-1]
@@ -130,15 +131,16 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     outs, states = [], []
     for t in range(T):
         S = S * torch.exp(gf[:, t])[..., None, None]
-        kS = torch.einsum("bhk,bhkv->bhv", kh[:, t], S)
+        kS = (kh[:, t].unsqueeze(-2) @ S).squeeze(-2)  # k^T S, [B, HV, V]
         u = bf[:, t][..., None] * (vf[:, t] - kS)
         S = S + kh[:, t][..., :, None] * u[..., None, :]
         S = round_to(S, store, reference)
-        outs.append(torch.einsum("bhk,bhkv->bhv", qh[:, t], S))
-        states.append(S)
+        outs.append((qh[:, t].unsqueeze(-2) @ S).squeeze(-2))
+        if record:
+            states.append(S)
     o = torch.stack(outs, dim=1)
-    all_states = torch.stack(states, dim=1)
-    return o, out_cast(all_states, store, reference), out_cast(S, store, reference)
+    all_states = out_cast(torch.stack(states, dim=1), store, reference) if record else None
+    return o, all_states, out_cast(S, store, reference)
 
 
 def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
@@ -232,5 +234,5 @@ def gdn_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tens
     reference mode). The chunked form ``gdn_chunked`` computes the same function.
     """
     g, beta = gdn_gates(a, b, A_log, dt_bias)
-    o, _, final = gdn_recurrent(q, k, v, g, beta, state, state_dtype=torch.float32)
+    o, _, final = gdn_recurrent(q, k, v, g, beta, state, state_dtype=torch.float32, record=False)
     return {"out": gated_rmsnorm(o, z, norm_w), "final_state": final}

@@ -75,7 +75,7 @@ def rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"expected [T, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype)
+    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     b = b.contiguous()
     for t in range(a.shape[0]):
         out[t] = (a[t:t + 1].clone() @ b)[0]
@@ -109,7 +109,8 @@ class NvFp4Weight:
         if self.packed.shape[-1] * 2 != self.sf.shape[-1] * NVFP4_BLOCK:
             raise ValueError("packed holds in // 2 bytes a row and sf in // 16 scales a row")
         if tuple(self.gs.shape) != tuple(self.packed.shape[:-2]):
-            raise ValueError(f"gs must have shape {tuple(self.packed.shape[:-2])}, got {tuple(self.gs.shape)}")
+            raise ValueError(f"gs must have shape {tuple(self.packed.shape[:-2])}, "
+                             f"got {tuple(self.gs.shape)}")
 
     @property
     def out_features(self) -> int:
@@ -282,12 +283,12 @@ def moe_experts(x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor
     acc = acc_dtype(x, weights)
     n_tokens, k = expert_ids.shape
     xf = x.to(acc)  # exact widening; it puts the whole expert in the acc dtype
-    slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=acc)
+    slot_out = torch.zeros(n_tokens, k, x.shape[1], dtype=acc, device=x.device)
     for e in torch.unique(expert_ids).tolist():
         rows, slots = (expert_ids == e).nonzero(as_tuple=True)
         slot_out[rows, slots] = nvfp4_expert(xf[rows], experts, e, x.dtype, reference).to(acc)
     w = weights.to(acc)
-    out = torch.zeros(n_tokens, x.shape[1], dtype=acc)
+    out = torch.zeros(n_tokens, x.shape[1], dtype=acc, device=x.device)
     for j in range(k):  # fixed slot order: the reduction order is part of the definition
         out = out + w[:, j, None] * slot_out[:, j]
     return out_cast(out, x.dtype, reference)
@@ -310,7 +311,7 @@ def moe_shared_expert(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor,
     xf = x.to(acc)
     g = round_to(rowwise_matmul(xf, w_gate.to(acc).T), act, reference)
     u = round_to(rowwise_matmul(xf, w_up.to(acc).T), act, reference)
-    h = F.silu(g) * u  # the down GEMM reads it as a stored operand
+    h = round_to(F.silu(g) * u, act, reference)  # the down GEMM reads it as a stored operand
     y = round_to(rowwise_matmul(h, w_down.to(acc).T), act, reference)
     gate = torch.sigmoid(rowwise_matmul(xf, w_sg.to(acc).reshape(-1, 1))[:, 0])
     return out_cast(gate[:, None] * y, act, reference)

@@ -115,9 +115,10 @@ def greedy_verify(logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.
     """Greedy verification of the drafts of R requests.
 
     The trunk ran K_r + 1 rows for request r: [t0, d_1 .. d_K]; row i's logits predict the token after
-    it, ``p_i = greedy_argmax(logits[r, i])``. Accepted: ``a = max{j : d_i == p_{i-1} for all 1 <= i <= j}``
-    (a = 0 when d_1 already differs). The step emits d_1..d_a and then p_a (the correction, or the
-    bonus token when a = K_r); ``num_accepted = a + 1`` tokens.
+    it, ``p_i = greedy_argmax(logits[r, i])``. Accepted:
+    ``a = max{j : d_i == p_{i-1} for all 1 <= i <= j}`` (a = 0 when d_1 already differs).
+    The step emits d_1..d_a and then p_a (the correction, or the bonus token when a = K_r):
+    ``num_accepted = a + 1`` tokens.
 
     logits [R, K_max + 1, V] float; drafts [R, K_max] int64; draft_lens [R] int64 (K_r <= K_max).
     Rows past K_r + 1 and drafts past K_r are ignored.

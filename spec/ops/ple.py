@@ -38,7 +38,7 @@ value is held as four 16-bit limbs (int64 tensors, least significant first); the
 multiplication of the limbs keeping limbs 0..3 with explicit carries (every partial sum < 2^35), XOR
 acts limb by limb, and ``h mod p`` is Horner's rule over the limbs, most significant first
 (``r = (r * 2^16 + limb) mod p``, every value < 2^47 for p < 2^31). The result is exact for every input
-on every platform. ``ngram_hash_u64`` also returns h as an int64 holding the same 64 bits (two's
+on every platform. ``ngram_hash_values`` returns h as an int64 holding the same 64 bits (two's
 complement), the form a kernel with native wrapping uint64 multiplies would store.
 
 History (explicit per-request state): the last 2 ids, oldest first; a new request starts at
@@ -135,7 +135,7 @@ class NgramHashConfig:
 
 
 def _limbs(x: torch.Tensor) -> torch.Tensor:
-    """int64 [...] holding 64 bits (two's complement) -> [..., 4] limbs of 16 bits, least significant first.
+    """int64 [...] holding 64 bits (two's complement) -> [..., 4] 16-bit limbs, least significant first.
 
     The arithmetic right shift sign-extends, the mask then keeps exactly the 16 bits of each limb.
     """
@@ -191,7 +191,8 @@ def ple_ngram_ids(ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """
     seq = torch.cat([history.to(torch.int64), ids.to(torch.int64)])
     T = ids.shape[0]
-    return torch.stack([seq[HISTORY_LEN - k: HISTORY_LEN - k + T] for k in range(HISTORY_LEN + 1)], dim=-1)
+    columns = [seq[HISTORY_LEN - k: HISTORY_LEN - k + T] for k in range(HISTORY_LEN + 1)]
+    return torch.stack(columns, dim=-1)
 
 
 def ple_history_advance(history: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -215,7 +216,8 @@ def ngram_hash_u64(window: torch.Tensor, multipliers: tuple[int, ...]) -> torch.
 def ngram_hash_values(ids: torch.Tensor, history: torch.Tensor, cfg: NgramHashConfig) -> torch.Tensor:
     """Every head's 64-bit hash, as int64 holding the unsigned value's bits: [T, num_heads]."""
     window = ple_ngram_ids(ids, history)
-    return torch.stack([_limbs_to_int64(ngram_hash_u64(window, m)) for _, m, _, _ in cfg.heads()], dim=-1)
+    values = [_limbs_to_int64(ngram_hash_u64(window, m)) for _, m, _, _ in cfg.heads()]
+    return torch.stack(values, dim=-1)
 
 
 def ple_ngram_hash(ids: torch.Tensor, history: torch.Tensor, cfg: NgramHashConfig) -> torch.Tensor:

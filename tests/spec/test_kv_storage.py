@@ -299,6 +299,14 @@ def test_nvfp4_subnormal_scale_is_not_a_fixed_point():
     assert s2.float().item() == 2.0**-9 and p2[0, 0].item() == 0x07
 
 
+def test_nvfp4_float64_block_scale_is_rounded_once():
+    # amax / (6 gs) = 1.0625 + 2^-40 exactly in float64: just above the 1.0 / 1.125 tie, so sf = 1.125.
+    # (Through fp32 it would be the tie itself and round to 1.0.)
+    x = torch.tensor([[6 * (1.0625 + 2.0**-40)] + [1.0] * 15], dtype=torch.float64)
+    _, sf = nvfp4_quantize(x, torch.tensor(1.0))
+    assert sf.to(torch.float64).item() == 1.125
+
+
 def test_nvfp4_specials():
     one = torch.tensor(1.0)
     # +inf saturates: scale 448, code +6; the finite neighbours of the block round to 0.

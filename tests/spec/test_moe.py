@@ -1,4 +1,5 @@
-"""Tests of the MoE ops: spec.ops.moe (``moe_route``, ``moe_nvfp4_experts``, ``moe_shared_expert``, ``moe``).
+"""Tests of the MoE ops of spec.ops.moe: ``moe_route``, ``moe_nvfp4_experts``, ``moe_shared_expert``,
+``moe``.
 
 Public definition: the Qwen3-Next sparse MoE block of HF transformers (softmax router over all experts,
 top-k renormalised to sum 1, SwiGLU experts, sigmoid-gated shared expert added to the routed sum), with

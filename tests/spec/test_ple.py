@@ -38,7 +38,8 @@ def _model_config(seed: int, pad_id: int = 0) -> NgramHashConfig:
     Half the multipliers have the top bit set, so products wrap and hashes exceed 2^63.
     """
     rnd = random.Random(seed)
-    mults = tuple(tuple(tuple(rnd.getrandbits(64) | 1 for _ in range(n)) for _ in range(8)) for n in (2, 3))
+    mults = tuple(tuple(tuple(rnd.getrandbits(64) | 1 for _ in range(n)) for _ in range(8))
+                  for n in (2, 3))
     return NgramHashConfig(multipliers=mults, primes=PRIMES, pad_id=pad_id)
 
 
@@ -100,7 +101,8 @@ def test_ngram_hash_property(seed: int, T: int, split: int, pad: int, big_ids: b
     s = min(split, T)
     hist = ple_history_advance(start, ids[:s])
     assert hist.tolist() == ([pad, pad] + ids_list[:s])[-2:]
-    assert torch.equal(torch.cat([ple_ngram_hash(ids[:s], start, cfg), ple_ngram_hash(ids[s:], hist, cfg)]), rows)
+    streamed = torch.cat([ple_ngram_hash(ids[:s], start, cfg), ple_ngram_hash(ids[s:], hist, cfg)])
+    assert torch.equal(streamed, rows)
 
     # Where the platform's int64 multiply wraps (two's complement, as on every torch build we run),
     # the limb arithmetic equals the native product: the form a kernel with uint64 multiplies computes.
@@ -120,8 +122,9 @@ def test_ngram_hash_guard() -> None:
     history = torch.tensor([1, 3])  # oldest first: (pad, 3), so the window is (5, 3, 1)
     assert ple_ngram_ids(ids, history).tolist() == [[5, 3, 1]]
     # Order 2: (5 * 7) XOR (3 * 9) = 35 XOR 27 = 0b100011 ^ 0b011011 = 0b111000 = 56; 56 mod 13 = 4.
-    # Order 3, products mod 2^64: 5 (2^64 - 1) -> 2^64 - 5 = 0xFF..FB; 3 (2^63 + 1) -> 2^63 + 3 = 0x80..03;
-    #   1 (2^63 + 1) = 0x80..01. XOR = 0xFF..F9 = 2^64 - 7 (as int64: -7).
+    # Order 3, products mod 2^64: 5 (2^64 - 1) -> 2^64 - 5 = 0xFF..FB;
+    #   3 (2^63 + 1) -> 2^63 + 3 = 0x80..03; 1 (2^63 + 1) = 0x80..01.
+    #   XOR = 0xFF..F9 = 2^64 - 7 (as int64: -7).
     #   Unsigned: 2^64 = 4^32 = 1 mod 3, so (2^64 - 7) mod 3 = -6 mod 3 = 0 -> row 13 + 0 = 13.
     #   (Reading the bits as signed, -7 mod 3 = 2, would give row 15: the mod must be unsigned.)
     assert ngram_hash_values(ids, history, cfg).tolist() == [[56, -7]]
@@ -222,7 +225,8 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 def test_ple_apply_property(seed: int, T: int, C: int, P: int) -> None:
     g = _gen(seed)
     # x on a grid of quarters, so x + (a bf16 update of magnitude ~1) is exact in fp32.
-    x = (torch.randint(1, 9, (T, C), generator=g) * (2 * torch.randint(0, 2, (T, C), generator=g) - 1)) / 4.0
+    signs = 2 * torch.randint(0, 2, (T, C), generator=g) - 1
+    x = (torch.randint(1, 9, (T, C), generator=g) * signs) / 4.0
     e_l = torch.randn(T, P, generator=g, dtype=F64)
     w_gate = torch.randn(P, C, generator=g, dtype=F64) / math.sqrt(C)
     w_out = torch.randn(C, P, generator=g, dtype=F64)

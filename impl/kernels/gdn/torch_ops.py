@@ -56,47 +56,52 @@ def gdn_conv_update(x, weight, conv_state, *, y) -> None:
     conv_state.copy_(window[:, :, 1:].to(conv_state.dtype))
 
 
-def _recurrent_rows(q, k, v, g, beta, S, store_dtype, record=None):
-    """Run T rows from state S (fp32, [B, HV, K, V]); optionally record each row's stored state."""
+def _recurrent_rows(q, k, v, a, b, A_log, dt_bias, S, store_dtype, record=None):
+    """Run T rows from state S (fp32, [B, HV, K, V]); optionally record each row's stored state.
+
+    Every per-row quantity is computed inside the row loop on [B, ...] slices, so a row's result does
+    not depend on how many rows the launch holds (torch's CPU reductions pick their summation order
+    from the whole tensor's shape, and elementwise exp / log1p differ between their vector body and
+    scalar tail; the replay oracle needs row t to be the same in a T-row launch and a (t+1)-row one).
+    """
     HV = v.shape[2]
     rep = HV // q.shape[2]
-    qn = _l2n(q).repeat_interleave(rep, dim=2) * (q.shape[-1] ** -0.5)
-    kn = _l2n(k).repeat_interleave(rep, dim=2)
-    vf = v.float()
+    scale = q.shape[-1] ** -0.5
     outs = []
     for t in range(v.shape[1]):
-        S.mul_(g[:, t].exp()[..., None, None])
-        u = beta[:, t, :, None] * (vf[:, t] - torch.einsum("bhkv,bhk->bhv", S, kn[:, t]))
-        S.add_(kn[:, t, :, :, None] * u[:, :, None, :])
+        qn = _l2n(q[:, t]).repeat_interleave(rep, dim=1) * scale
+        kn = _l2n(k[:, t]).repeat_interleave(rep, dim=1)
+        g, beta = _gates(a[:, t], b[:, t], A_log, dt_bias)
+        S.mul_(g.exp()[..., None, None])
+        u = beta[..., None] * (v[:, t].float() - (kn.unsqueeze(-2) @ S).squeeze(-2))
+        S.add_(kn[:, :, :, None] * u[:, :, None, :])
         if store_dtype != torch.float32:
             S.copy_(S.to(store_dtype).float())  # each row is a stored step (spec's rounding point)
-        outs.append(torch.einsum("bhkv,bhk->bhv", S, qn[:, t]))
+        outs.append((qn.unsqueeze(-2) @ S).squeeze(-2))
         if record is not None:
             record[:, t].copy_(S.to(record.dtype))
     return torch.stack(outs, dim=1)
 
 
 def gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out, states) -> None:
-    g, beta = _gates(a, b, A_log, dt_bias)
     S = state_pool[slots.long()].float()
-    o = _recurrent_rows(q, k, v, g, beta, S, state_pool.dtype, record=states)
+    o = _recurrent_rows(q, k, v, a, b, A_log, dt_bias, S, state_pool.dtype, record=states)
     out.copy_(_gated_norm(o, z, norm_w))
 
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out) -> None:
     """One row per request; the pool rows at ``slots`` are updated in place."""
-    g, beta = _gates(a.unsqueeze(1), b.unsqueeze(1), A_log, dt_bias)
     idx = slots.long()
     S = state_pool[idx].float()
-    o = _recurrent_rows(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), g, beta, S, state_pool.dtype)
+    o = _recurrent_rows(q.unsqueeze(1), k.unsqueeze(1), v.unsqueeze(1), a.unsqueeze(1),
+                        b.unsqueeze(1), A_log, dt_bias, S, state_pool.dtype)
     state_pool[idx] = S.to(state_pool.dtype)
     out.copy_(_gated_norm(o[:, 0], z, norm_w))
 
 
 def gdn_prefill_recurrent(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out, final_state):
-    g, beta = _gates(a, b, A_log, dt_bias)
     S = state.float().clone()
-    o = _recurrent_rows(q, k, v, g, beta, S, torch.float32)
+    o = _recurrent_rows(q, k, v, a, b, A_log, dt_bias, S, torch.float32)
     out.copy_(_gated_norm(o, z, norm_w))
     final_state.copy_(S)
 

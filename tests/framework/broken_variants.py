@@ -1,0 +1,22 @@
+"""Test-only broken variants of the GDN steps: each wrong in a known way, to prove the cells catch it."""
+
+import torch
+
+from impl.kernels.gdn import torch_ops
+
+
+def verify_state_one_row_late(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out,
+                              states):
+    """Records, after row t, the state after row t - 1 (and the pool state after row 0)."""
+    torch_ops.gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out=out,
+                         states=states)
+    late = torch.cat([state_pool[slots.long()].unsqueeze(1).to(states.dtype), states[:, :-1]], dim=1)
+    states.copy_(late)
+
+
+def decode_beta_sign_flipped_at_batch_32(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool,
+                                         slots, *, out):
+    """Correct except in a specialisation for 32 requests, which flips the sign of the beta gate."""
+    if q.shape[0] == 32:
+        b = -b
+    torch_ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out=out)

@@ -1,0 +1,30 @@
+"""The catalog's claims about this target's tests and files."""
+
+from certify.catalog import load_catalog
+from certify.claims import marked_tests
+from certify.paths import project_paths
+
+PATHS = project_paths()
+
+
+def test_every_cell_file_loads():
+    cat = load_catalog(PATHS.cells)
+    assert not cat.errors, "\n".join(map(str, cat.errors))
+    assert cat.ops, "no cell files found"
+
+
+def test_every_op_has_a_guard_and_a_property_test():
+    cat = load_catalog(PATHS.cells)
+    marks = marked_tests([PATHS.root / "tests"])
+    missing = [f"{op}: no {kind.removeprefix('certify_')} test (mark one with "
+               f"@pytest.mark.{kind}({op!r}))"
+               for op in sorted(cat.ops) for kind in ("certify_guard", "certify_property")
+               if not marks.get(op, {}).get(kind)]
+    assert not missing, "\n".join(missing)
+
+
+def test_every_cell_why_is_distinct_within_its_op():
+    cat = load_catalog(PATHS.cells)
+    for name, op in cat.ops.items():
+        whys = [c.why for c in op.cells]
+        assert len(set(whys)) == len(whys), f"{name}: two cells give the same why"

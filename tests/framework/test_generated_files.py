@@ -1,0 +1,52 @@
+"""Generated files are part of the product: each is checked against what its command would write."""
+
+import re
+
+from certify.archs import present_archs
+from certify.catalog import load_catalog
+from certify.cli import schema_text
+from certify.paths import project_paths
+from certify.plan import targets
+from certify.receipts import freshness, load_receipts
+from certify.report import build_rows, render_all, report_extras
+
+PATHS = project_paths()
+REGENERATE = "run `certify report` (and `certify schema`) and commit reports/ and certify/schema/"
+
+
+def test_the_cell_schema_export_is_current():
+    committed = (PATHS.schema / "cells.schema.json").read_text()
+    assert committed == schema_text(), f"certify/schema/cells.schema.json is stale: {REGENERATE}"
+
+
+def test_cpu_receipts_are_fresh_and_passing():
+    """Every certification on a CPU arch has a receipt for the code as it is, and it passed."""
+    cat = load_catalog(PATHS.cells)
+    books = load_receipts(PATHS.receipts)
+    cpu_archs = {"cpu", "cpu-interpret"} & set(present_archs())
+    bad = []
+    for op in cat.ops.values():
+        for t in targets(op):
+            if t.arch in cpu_archs:
+                r = books.get(t.arch, {}).get((op.op, t.variant.name, t.cell.id))
+                s = freshness(r, op, t.variant.name, t.cell)
+                if s != "certified":
+                    bad.append(f"{t.name}: {s}")
+    assert not bad, f"{len(bad)} CPU certification(s) not current ({REGENERATE}):\n" + "\n".join(bad)
+
+
+def test_the_reports_are_current():
+    cat = load_catalog(PATHS.cells)
+    rows = build_rows(cat, load_receipts(PATHS.receipts))
+    rendered = render_all(cat, rows, report_extras(PATHS.extras))
+    stale = [rel for rel, text in rendered.items()
+             if not (PATHS.reports / rel).is_file() or (PATHS.reports / rel).read_text() != text]
+    extra = [p.name for p in (PATHS.reports / "ops").glob("*.md") if f"ops/{p.name}" not in rendered]
+    assert not stale and not extra, f"stale: {stale}, orphaned: {extra}; {REGENERATE}"
+
+
+def test_ci_runs_exactly_the_readme_test_command():
+    readme = (PATHS.root / "README.md").read_text()
+    ci = (PATHS.root / ".ci" / "run").read_text()
+    command = re.search(r"^python3 -m (pytest .*)$", ci, re.M).group(1)
+    assert f"\n{command}\n" in readme, f"README must show the CI test command: {command}"

@@ -1,0 +1,83 @@
+"""Receipts: the freshness rule (content hash) and the per-arch files."""
+
+from pathlib import Path
+
+import pytest
+
+from certify.catalog import load_op_file
+from certify.harness import Outcome
+from certify.paths import project_paths
+from certify.receipts import content_hash, freshness, load_receipts, make_receipt, write_receipts
+
+OP = project_paths().cells / "gated_rmsnorm.yaml"
+
+
+@pytest.fixture(scope="module")
+def op():
+    return load_op_file(OP)
+
+
+def test_a_fresh_passing_receipt_certifies(op):
+    cell = op.cells[0]
+    r = make_receipt(op, "torch", cell, "cpu", Outcome("passed", {"out.ulp": 1.0}))
+    assert freshness(r, op, "torch", cell) == "certified"
+
+
+def test_a_failing_receipt_reads_failed_and_no_receipt_reads_not_run(op):
+    cell = op.cells[0]
+    r = make_receipt(op, "torch", cell, "cpu", Outcome("failed", {}, "boom"))
+    assert freshness(r, op, "torch", cell) == "failed"
+    assert freshness(None, op, "torch", cell) == "not run"
+
+
+def test_changing_the_cell_makes_the_receipt_stale(op):
+    cell = op.cells[0]
+    r = make_receipt(op, "torch", cell, "cpu", Outcome("passed"))
+    edited = cell.model_copy(update={"why": cell.why + " (edited)"})
+    assert freshness(r, op, "torch", edited) == "stale"
+
+
+def test_changing_the_variant_entry_makes_the_receipt_stale(op):
+    cell = op.cells[0]
+    r = make_receipt(op, "torch", cell, "cpu", Outcome("passed"))
+    v = op.variants[0].model_copy(update={"dispatch": "rows > 1"})
+    assert freshness(r, op.model_copy(update={"variants": (v,)}), "torch", cell) == "stale"
+
+
+def test_the_hash_covers_the_source_of_the_modules_involved(op, monkeypatch):
+    """Editing any project module the spec imports (here spec.numerics) changes the hash."""
+    from certify import receipts
+
+    cell = op.cells[0]
+    before = content_hash(op, "torch", cell)
+    real = receipts.module_closure.__wrapped__
+
+    def edited(module):
+        out = dict(real(module))
+        if "spec.numerics" in out:
+            out["spec.numerics"] = "0" * 64
+        return tuple(sorted(out.items()))
+
+    monkeypatch.setattr(receipts, "module_closure", edited)
+    assert content_hash(op, "torch", cell) != before
+    assert "spec.numerics" in dict(real("spec.ops.norms"))
+
+
+def test_the_hash_ignores_library_versions(op):
+    cell = op.cells[0]
+    r = make_receipt(op, "torch", cell, "sm_90", Outcome("passed"))
+    r = r.model_copy(update={"versions": {"torch": "0.0.1"}})
+    assert freshness(r, op, "torch", cell) == "certified"
+
+
+def test_receipt_files_keep_the_latest_record_per_key(op, tmp_path: Path):
+    cell = op.cells[0]
+    first = make_receipt(op, "torch", cell, "cpu", Outcome("failed", {}, "old"))
+    write_receipts(tmp_path, [first])
+    second = make_receipt(op, "torch", cell, "cpu", Outcome("passed", {"out.ulp": 0.5}))
+    other = make_receipt(op, "torch", op.cells[1], "sm_90", Outcome("passed"))
+    write_receipts(tmp_path, [second, other])
+    books = load_receipts(tmp_path)
+    assert sorted(books) == ["cpu", "sm_90"]
+    assert len((tmp_path / "cpu.jsonl").read_text().splitlines()) == 1
+    assert books["cpu"][("gated_rmsnorm", "torch", cell.id)].status == "passed"
