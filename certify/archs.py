@@ -30,6 +30,12 @@ def interpreter_available() -> bool:
     return cuda_arch() is None or os.environ.get("TRITON_INTERPRET") == "1"
 
 
+def choose_triton_mode() -> None:
+    """With no GPU, Triton kernels run interpreted; the choice must precede any Triton import."""
+    if cuda_arch() is None:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def present_archs() -> list[str]:
     archs = ["cpu"]
     if interpreter_available():

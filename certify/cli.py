@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from certify.archs import present_archs
+from certify.archs import choose_triton_mode, present_archs
 from certify.catalog import load_catalog
 from certify.paths import project_paths
 from certify.receipts import load_receipts
@@ -75,6 +75,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    choose_triton_mode()
     p = argparse.ArgumentParser(prog="certify", description=__doc__)
     sub = p.add_subparsers(dest="cmd")
     r = sub.add_parser("report", help="certify what is outdated, then print and write the reports")

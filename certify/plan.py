@@ -32,4 +32,5 @@ def targets(op: OpFile) -> Iterator[Target]:
     for cell in op.cells:
         for variant in variants_of_cell(op, cell):
             for arch in variant.archs:
-                yield Target(op, variant, cell, arch)
+                if cell.archs is None or arch in cell.archs:
+                    yield Target(op, variant, cell, arch)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from certify.archs import present_archs
+from certify.archs import choose_triton_mode, present_archs
 from certify.catalog import CatalogError, load_op_file
 from certify.harness import certify_cell
 from certify.paths import project_paths
@@ -30,6 +30,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    choose_triton_mode()
     for tier in TIERS:
         config.addinivalue_line("markers", f"{tier}: certification tier {tier}")
     config.addinivalue_line("markers", "arch(name): the architecture an item needs")

@@ -52,6 +52,9 @@ class Receipt(BaseModel):
 
 @lru_cache(maxsize=None)
 def _module_file(name: str) -> Path | None:
+    top = name.partition(".")[0]
+    if top != name and _module_file(top) is None:
+        return None  # never import a third-party package just to locate one of its submodules
     try:
         spec = importlib.util.find_spec(name)
     except (ImportError, ValueError):

@@ -102,6 +102,9 @@ class Cell(Strict):
     oracle: Oracle
     variants: tuple[str, ...] | None = Field(
         None, description="variants certified here; default: every variant whose rule accepts it")
+    archs: tuple[Arch, ...] | None = Field(
+        None, description="archs this cell runs on (default: every arch of its variants); for a "
+                          "cell too large for the CPU, say so in its why")
 
 
 class NotCertified(Strict):
