@@ -10,6 +10,7 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from certify.plan import variants_of_cell
 from certify.rules import rule_names
 from certify.schema import OpFile
 
@@ -32,19 +33,22 @@ class Catalog:
     errors: list[CatalogError] = field(default_factory=list)
 
 
+_CONSTRUCTOR = yaml.SafeLoader("")  # builds Python values from already-composed scalar nodes
+
+
 def _to_python(node: yaml.Node, path: tuple, lines: dict[tuple, int]) -> Any:
     """Convert a composed YAML node to Python, recording the 1-based line of every path."""
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict = {}
         for key_node, value_node in node.value:
-            key = yaml.safe_load(yaml.serialize(key_node))
+            key = _CONSTRUCTOR.construct_object(key_node, deep=True)
             out[key] = _to_python(value_node, path + (key,), lines)
             lines[path + (key,)] = key_node.start_mark.line + 1
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(n, path + (i,), lines) for i, n in enumerate(node.value)]
-    return yaml.safe_load(yaml.serialize(node))
+    return _CONSTRUCTOR.construct_object(node, deep=True)
 
 
 def _locate(path: tuple, lines: dict[tuple, int]) -> int:
@@ -90,6 +94,10 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         for j, v in enumerate(cell.variants or ()):
             if v not in variants:
                 return ("cells", i, "variants", j), f"unknown variant {v!r} (known: {sorted(variants)})"
+        if cell.oracle.kind == "bitwise" and cell.oracle.against == "spec" and any(
+                v.impl == "spec" for v in variants_of_cell(op, cell)):
+            return (("cells", i, "oracle", "against"),
+                    "the spec's own path compared bitwise with itself proves nothing: use 'spec64'")
         against = cell.oracle.against
         if against.startswith("variant:") and against.split(":", 1)[1] not in variants:
             return ("cells", i, "oracle", "against"), f"unknown variant in {against!r}"

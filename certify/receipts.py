@@ -105,7 +105,8 @@ def content_hash(op: OpFile, variant_name: str, cell: Cell) -> str:
     h = hashlib.sha256()
     parts = {
         "spec": [op.spec, module_closure(op.spec.partition(":")[0])],
-        "variant": [variant.model_dump(mode="json"), module_closure(variant.impl.partition(":")[0])],
+        "variant": [variant.model_dump(mode="json"),
+                    module_closure(op.impl_path(variant).partition(":")[0])],
         "inputs": [op.inputs, module_closure(op.inputs.partition(":")[0])],
         "cell": cell.model_dump(mode="json"),
         "oracle": [module_closure(m) for m in _FRAMEWORK_ORACLE_MODULES],

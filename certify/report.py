@@ -148,7 +148,8 @@ def op_markdown(op: OpFile, rows: list[Row]) -> str:
     md = [f"# {op.op}", "", op.summary, "",
           f"- spec: `{op.spec}`", f"- inputs: `{op.inputs}`", ""]
     md += ["## Variants", "", tabulate(
-        [[v.name, f"`{v.impl}`", ", ".join(v.archs), f"`{v.dispatch}`",
+        [[v.name, f"`{op.impl_path(v)}`" + (" (the spec's own low-precision path)"
+                                            if v.impl == "spec" else ""), ", ".join(v.archs), f"`{v.dispatch}`",
           "yes" if v.batch_invariant else "no"] for v in op.variants],
         headers=["variant", "impl", "archs", "dispatch rule", "batch-invariant"],
         tablefmt="github"), ""]

@@ -51,7 +51,10 @@ class Variant(Strict):
     in file order, among the variants that run on the current arch)."""
 
     name: str = Field(pattern=_IDENT)
-    impl: str = Field(pattern=_CALLABLE, description="module:function of the implementation")
+    impl: str = Field(pattern=_CALLABLE + "|^spec$", description=(
+        "module:function of the implementation, or 'spec': the spec function itself run in the "
+        "cell's dtypes (its low-precision path, with MATH.md's rounding points), certified against "
+        "its own float64 path"))
     archs: tuple[Arch, ...] = Field(min_length=1)
     dispatch: str = "true"
     batch_invariant: bool = True
@@ -79,7 +82,10 @@ class OutputBand(Strict):
 
 class Oracle(Strict):
     kind: Literal["bitwise", "tolerance"]
-    against: str = Field("spec", description="'spec' or 'variant:<name>' (bitwise only)")
+    against: str = Field("spec", description=(
+        "bitwise only: 'spec' (the spec run in the same dtypes), 'spec64' (the spec's float64 path, "
+        "each floating output rounded once to the variant's output dtype: 'float64 plus rounding'), "
+        "or 'variant:<name>'"))
     outputs: dict[str, OutputBand] = Field(default_factory=dict)
     signed_zero_equal: bool = Field(False, description="-0.0 == +0.0 (only where the spec says so)")
 
@@ -89,8 +95,9 @@ class Oracle(Strict):
             raise ValueError("a tolerance oracle needs a band per output (outputs: {name: band})")
         if self.kind == "tolerance" and self.against != "spec":
             raise ValueError("a tolerance oracle compares against the float64 spec only")
-        if self.against != "spec" and not re.match(r"^variant:[a-z][a-z0-9_]*$", self.against):
-            raise ValueError("against must be 'spec' or 'variant:<name>'")
+        if self.against not in ("spec", "spec64") and not re.match(r"^variant:[a-z][a-z0-9_]*$",
+                                                                     self.against):
+            raise ValueError("against must be 'spec', 'spec64' or 'variant:<name>'")
         return self
 
 
@@ -131,6 +138,10 @@ class OpFile(Strict):
                 if a.kind == "choice" and len(a.values) == 1}
         full.update(cell.axes)
         return full
+
+    def impl_path(self, variant: Variant) -> str:
+        """The module:function a variant runs ('spec' resolves to the op's spec function)."""
+        return self.spec if variant.impl == "spec" else variant.impl
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:
