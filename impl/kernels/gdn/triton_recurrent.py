@@ -87,3 +87,99 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, o
     """T rows a request from the pool state; the state after each row goes to ``states``."""
     _launch(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, states, q.shape[1],
             True)
+
+
+# ---------------------------------------------------------------- split-V streaming variant
+#
+# The delta rule couples the state's columns only through the gated norm: column v of S needs k, q,
+# beta, g and v[v] alone. So the state can be split into V tiles, one program each, which keeps a
+# quarter of the state in registers and puts four times more programs in flight to hide the pool's
+# load latency; the norm, which needs the whole row, runs as a second small launch over o.
+
+
+@triton.jit
+def _gdn_rows_split_kernel(q, k, v, a, b, A_log, dt_bias, pool, slots, o_buf, states,
+                           T, scale, l2_eps,
+                           HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+                           BV: tl.constexpr, RECORD: tl.constexpr, STATE_BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    i_vt = pid % (V // BV)
+    i_bh = pid // (V // BV)
+    i_b = i_bh // HV
+    i_hv = i_bh % HV
+    i_hk = i_hv // (HV // HK)
+    offs_k = tl.arange(0, K)
+    offs_v = i_vt * BV + tl.arange(0, BV)
+    slot = tl.load(slots + i_b).to(tl.int64)
+    tile = offs_k[:, None] * V + offs_v[None, :]
+    pool_row = pool + (slot * HV + i_hv) * (K * V)
+    S = tl.load(pool_row + tile).to(tl.float32)
+    neg_A = -tl.exp(tl.load(A_log + i_hv).to(tl.float32))
+    dtb = tl.load(dt_bias + i_hv).to(tl.float32)
+    for t in range(T):
+        row = i_b * T + t
+        qv = tl.load(q + (row * HK + i_hk) * K + offs_k).to(tl.float32)
+        kv = tl.load(k + (row * HK + i_hk) * K + offs_k).to(tl.float32)
+        vv = tl.load(v + (row * HV + i_hv) * V + offs_v).to(tl.float32)
+        x = tl.load(a + row * HV + i_hv).to(tl.float32) + dtb
+        decay = tl.exp(neg_A * softplus(x))
+        beta = 1.0 / (1.0 + tl.exp(-tl.load(b + row * HV + i_hv).to(tl.float32)))
+        qn = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + l2_eps) * scale
+        kn = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + l2_eps)
+        S = S * decay
+        u = beta * (vv - tl.sum(kn[:, None] * S, axis=0))
+        S = S + kn[:, None] * u[None, :]
+        if STATE_BF16:
+            S = round_to_bf16(S)
+        o = tl.sum(qn[:, None] * S, axis=0)
+        tl.store(o_buf + (row * HV + i_hv) * V + offs_v, o)
+        if RECORD:
+            rec = states + (row.to(tl.int64) * HV + i_hv) * (K * V)
+            tl.store(rec + tile, S.to(states.dtype.element_ty))
+    if not RECORD:
+        tl.store(pool_row + tile, S.to(pool.dtype.element_ty))
+
+
+@triton.jit
+def _gated_norm_rows_kernel(o_buf, z, norm_w, out, norm_eps, V: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # one (token, value head) row of V elements
+    offs = tl.arange(0, V)
+    o = tl.load(o_buf + row * V + offs)
+    w = tl.load(norm_w + offs).to(tl.float32)
+    normed = round_to_bf16(w * (o / tl.sqrt(tl.sum(o * o, axis=0) / V + norm_eps)))
+    zz = tl.load(z + row * V + offs).to(tl.float32)
+    gated = round_to_bf16(normed * (zz / (1.0 + tl.exp(-zz))))
+    tl.store(out + row * V + offs, gated.to(out.dtype.element_ty))
+
+
+SPLIT_BV = 32
+
+
+def _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, states, T,
+                  record):
+    B = slots.shape[0]
+    HK, K = q.shape[-2], q.shape[-1]
+    HV, V = v.shape[-2], v.shape[-1]
+    for t in (q, k, v, a, b, z, state_pool):
+        assert t.is_contiguous(), "the GDN row kernels read contiguous tensors"
+    if z.dtype != torch.bfloat16:
+        raise ValueError("the gated norm rounds to bf16: z must be bf16")
+    bv = min(SPLIT_BV, V)
+    o_buf = torch.empty(B * T * HV * V, dtype=torch.float32, device=v.device)
+    _gdn_rows_split_kernel[(B * HV * (V // bv),)](
+        q, k, v, a, b, A_log, dt_bias, state_pool, slots, o_buf, states, T, K ** -0.5, 1e-6,
+        HK=HK, HV=HV, K=K, V=V, BV=bv, RECORD=record,
+        STATE_BF16=state_pool.dtype == torch.bfloat16, num_warps=4)
+    _gated_norm_rows_kernel[(B * T * HV,)](o_buf, z, norm_w, out, 1e-6, V=V, num_warps=1)
+
+
+def gdn_decode_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out) -> None:
+    """Split-V decode: state tiles of 32 columns a program, then the gated norm in a second launch."""
+    _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, state_pool, 1,
+                  False)
+
+
+def gdn_verify_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out,
+                     states) -> None:
+    _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, states,
+                  q.shape[1], True)
