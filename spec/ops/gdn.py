@@ -12,8 +12,12 @@ Value head ``h`` reads key head ``h // (HV // HK)`` (grouped value attention).
 
 Rounding points (non-reference mode), decided here where MATH.md is silent:
 - gates, l2norm and the recurrence run in fp32 whatever the activation dtype;
-- a state stored in bf16 is rounded to bf16 after *every* row: each row is one step, so a verify of
-  T rows equals T decode steps bit for bit (the speculative-equals-plain oracle needs exactly that);
+- a state stored in bf16 is rounded to bf16 after *every* row of a decode or verify step: each such
+  row is one stored step, so a verify of T rows equals T decode steps bit for bit (the
+  speculative-equals-plain oracle needs exactly that);
+- a prefill chunk is one step: its state stays fp32 across the chunk and a bf16 pool stores it
+  rounded once at the end, so with bf16 storage a prefill of T tokens differs from T decode steps
+  (and the chunking of a prefill changes the stored state): a property of bf16 storage, not a bug;
 - the recurrence output o stays fp32 until the gated RMSNorm, which rounds it twice (spec.ops.norms).
 """
 

@@ -81,17 +81,19 @@ class QsaPlanes(NamedTuple):
 
 
 def empty_planes(num_pages: int, n_kv_heads: int, head_dim: int, index_dim: int,
-                 dtype: torch.dtype = torch.bfloat16) -> QsaPlanes:
+                 dtype: torch.dtype = torch.bfloat16, device: torch.device | str | None = None
+                 ) -> QsaPlanes:
     """Empty planes for ``num_pages`` pages: floating slots NaN, positions -1, no valid block key."""
     tpb = TOKENS_PER_BLOCK
     nan = float("nan")
     return QsaPlanes(
-        k_cache=torch.full((num_pages, tpb, n_kv_heads, head_dim), nan, dtype=dtype),
-        v_cache=torch.full((num_pages, tpb, n_kv_heads, head_dim), nan, dtype=dtype),
-        pos_plane=torch.full((num_pages, tpb), -1, dtype=torch.int32),
-        index_plane=torch.full((num_pages, tpb, index_dim), nan, dtype=dtype),
-        block_keys=torch.full((num_pages, index_dim), nan, dtype=dtype),
-        block_key_valid=torch.zeros(num_pages, dtype=torch.bool),
+        k_cache=torch.full((num_pages, tpb, n_kv_heads, head_dim), nan, dtype=dtype, device=device),
+        v_cache=torch.full((num_pages, tpb, n_kv_heads, head_dim), nan, dtype=dtype,
+                           device=device),
+        pos_plane=torch.full((num_pages, tpb), -1, dtype=torch.int32, device=device),
+        index_plane=torch.full((num_pages, tpb, index_dim), nan, dtype=dtype, device=device),
+        block_keys=torch.full((num_pages, index_dim), nan, dtype=dtype, device=device),
+        block_key_valid=torch.zeros(num_pages, dtype=torch.bool, device=device),
     )
 
 
@@ -201,7 +203,7 @@ def block_key(index_keys: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
     the result is one fixed function (a tree reduction rounds differently in fp32). Division by 32 is
     exact. Returns [index_dim] in ``acc``; the caller casts it to the block-key plane's dtype.
     """
-    total = torch.zeros(index_keys.shape[-1], dtype=acc)
+    total = torch.zeros(index_keys.shape[-1], dtype=acc, device=index_keys.device)
     for slot in range(index_keys.shape[0]):
         total = total + index_keys[slot].to(acc)
     return total / index_keys.shape[0]
@@ -267,7 +269,7 @@ def qsa_index_scores(q_index: torch.Tensor, w_index: torch.Tensor, seq_ids: torc
     """
     acc = acc_dtype(q_index, w_index, block_keys)
     n_rows, n_cols = q_index.shape[0], block_table.shape[1]
-    scores = torch.full((n_rows, n_cols), float("-inf"), dtype=acc)
+    scores = torch.full((n_rows, n_cols), float("-inf"), dtype=acc, device=q_index.device)
     for row in range(n_rows):
         t = int(positions[row])
         n_done = num_complete_blocks(t)
@@ -348,10 +350,10 @@ def qsa_select(scores: torch.Tensor, positions: torch.Tensor, k: int = TOP_K,
     (scores row, t, window, k), so the result is invariant to row order and batch composition.
     """
     width = selection_width(k, sink_blocks, local_blocks)
-    out = torch.full((scores.shape[0], width), -1, dtype=torch.int64)
+    out = torch.full((scores.shape[0], width), -1, dtype=torch.int64, device=scores.device)
     for row in range(scores.shape[0]):
         ids = select_row(scores[row], int(positions[row]), k, sink_blocks, local_blocks)
-        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64)
+        out[row, : len(ids)] = torch.tensor(ids, dtype=torch.int64, device=scores.device)
     return out
 
 
@@ -370,13 +372,13 @@ def qsa_expand(selected: torch.Tensor, positions: torch.Tensor,
     """
     tpb = TOKENS_PER_BLOCK
     width = tpb * selected.shape[1]
-    out = torch.full((selected.shape[0], width), -1, dtype=torch.int64)
+    out = torch.full((selected.shape[0], width), -1, dtype=torch.int64, device=selected.device)
     for row in range(selected.shape[0]):
         t = int(positions[row])
         limit = t + 1 if context_lens is None else min(t + 1, int(context_lens[row]))
         blocks = sorted({int(b) for b in selected[row] if int(b) >= 0})
         tokens = [j for b in blocks for j in range(tpb * b, tpb * (b + 1)) if j < limit]
-        out[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        out[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=selected.device)
     return out
 
 
@@ -394,8 +396,8 @@ def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: fl
     if n_q % n_kv:
         raise ValueError(f"n_q_heads {n_q} is not a multiple of n_kv_heads {n_kv}")
     if keys.shape[0] == 0:
-        return torch.zeros(q.shape, dtype=acc)
-    kv_head = torch.arange(n_q) // (n_q // n_kv)             # q head h reads KV head h // group
+        return torch.zeros(q.shape, dtype=acc, device=q.device)
+    kv_head = torch.arange(n_q, device=q.device) // (n_q // n_kv)             # q head h reads KV head h // group
     k_h = keys.to(acc)[:, kv_head, :].transpose(0, 1)        # [n_q, M, D]
     v_h = values.to(acc)[:, kv_head, :].transpose(0, 1)
     logits = torch.einsum("hd,hmd->hm", q.to(acc), k_h) * scale
@@ -444,7 +446,7 @@ def qsa_sparse_gqa(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, se
     k_pools, v_pools = _as_pools(k_cache), _as_pools(v_cache)
     load_dtype = acc if reference else act
 
-    out = torch.empty(q.shape, dtype=acc if reference else act)
+    out = torch.empty(q.shape, dtype=acc if reference else act, device=q.device)
     for row in range(q.shape[0]):
         row_tokens = tokens[row][tokens[row] >= 0]
         seq = torch.full_like(row_tokens, int(seq_ids[row]))
@@ -476,7 +478,7 @@ def dense_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: to
     k_h = k.to(acc).repeat_interleave(group, dim=1)           # [T, n_q, D]
     v_h = v.to(acc).repeat_interleave(group, dim=1)
     logits = torch.einsum("ihd,jhd->hij", q.to(acc), k_h) * scale
-    causal = torch.ones(n_t, n_t, dtype=torch.bool).tril()
+    causal = torch.ones(n_t, n_t, dtype=torch.bool, device=q.device).tril()
     logits = logits.masked_fill(~causal, float("-inf"))
     p = torch.softmax(logits, dim=-1)
     o = torch.einsum("hij,jhd->ihd", p, v_h)

@@ -40,12 +40,13 @@ EPS = 1e-6
 MROPE_SECTIONS = (11, 11, 10)  # t, h, w frequency counts; they sum to ROTARY_DIM // 2
 
 
-def inv_freq(rotary_dim: int = ROTARY_DIM, theta: float = THETA) -> torch.Tensor:
+def inv_freq(rotary_dim: int = ROTARY_DIM, theta: float = THETA,
+             device: torch.device | str | None = None) -> torch.Tensor:
     """``theta^(-2j/rotary_dim)`` for j = 0 .. rotary_dim/2 - 1, float64, shape [rotary_dim // 2]."""
     if rotary_dim <= 0 or rotary_dim % 2:
         raise ValueError(f"rotary_dim must be positive and even, got {rotary_dim}")
-    j = torch.arange(rotary_dim // 2, dtype=torch.float64)
-    return torch.pow(torch.tensor(theta, dtype=torch.float64), -2.0 * j / rotary_dim)
+    j = torch.arange(rotary_dim // 2, dtype=torch.float64, device=device)
+    return torch.pow(torch.tensor(theta, dtype=torch.float64, device=device), -2.0 * j / rotary_dim)
 
 
 def mrope_freq_rows(rotary_dim: int = ROTARY_DIM,
@@ -74,12 +75,12 @@ def rope_angles(positions: torch.Tensor, rotary_dim: int = ROTARY_DIM, theta: fl
     positions: integer [T] (plain RoPE) or [3, T] (interleaved mRoPE, rows t/h/w). Positions are
     converted to float64, which is exact for any realistic position (< 2^53).
     """
-    freqs = inv_freq(rotary_dim, theta)
+    freqs = inv_freq(rotary_dim, theta, device=positions.device)
     pos = positions.to(torch.float64)
     if positions.dim() == 1:
         return pos[:, None] * freqs[None, :]
     if positions.dim() == 2 and positions.shape[0] == 3:
-        rows = mrope_freq_rows(rotary_dim, sections)
+        rows = mrope_freq_rows(rotary_dim, sections).to(positions.device)
         # pos_per_freq[t, j] = positions[rows[j], t]: each frequency reads its own row.
         pos_per_freq = pos[rows, :].transpose(0, 1)
         return pos_per_freq * freqs[None, :]
