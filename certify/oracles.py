@@ -39,11 +39,38 @@ def poison(t: torch.Tensor) -> torch.Tensor:
 def unwritten_mask(out: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """Elements still holding the poison where the reference holds something else."""
     if out.dtype.is_floating_point:
+        out, ref = _as_float(out), _as_float(ref)
         return torch.isnan(out) & ~torch.isnan(ref.to(torch.float64))
     if out.dtype == torch.bool:
         return torch.zeros_like(out)
     p = INT_POISON.get(out.dtype, -1)
     return (out == p) & (ref.to(out.dtype) != p)
+
+
+def round_once(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Round a float64 tensor to ``dtype`` once, to nearest even.
+
+    torch's float64 -> bf16 / fp16 / fp8 casts go through fp32 and so round twice (1 + 2^-8 + 2^-24
+    becomes 1.0 in bf16, not 1.0078125). Rounding to fp32 *to odd* first and then to the narrow type
+    to nearest even gives the correctly rounded result, since fp32 keeps at least two more bits than
+    every narrower format here.
+    """
+    if x.dtype != torch.float64 or dtype in (torch.float64, torch.float32):
+        return x.to(dtype)
+    y = x.to(torch.float32)
+    y64 = y.to(torch.float64)
+    inexact = (y64 != x) & torch.isfinite(x) & torch.isfinite(y64)
+    # toward zero: step back one fp32 ulp where round-to-nearest went away from zero
+    away = inexact & (y64.abs() > x.abs())
+    bits = y.view(torch.int32)
+    bits = torch.where(away, bits - 1, bits)
+    bits = torch.where(inexact, bits | 1, bits)  # then make the last bit odd: "sticky"
+    return bits.view(torch.float32).to(dtype)
+
+
+def _as_float(t: torch.Tensor) -> torch.Tensor:
+    """float8 types lack isnan / isinf / arithmetic on the CPU: widen them (exactly) to fp32."""
+    return t.float() if t.dtype.is_floating_point and t.element_size() == 1 else t
 
 
 def eps_of(dtype: torch.dtype) -> float:
@@ -65,6 +92,7 @@ def _nonfinite_problems(name: str, out: torch.Tensor, ref: torch.Tensor, allow_m
                         ) -> list[str]:
     if not out.dtype.is_floating_point:
         return []
+    out, ref = _as_float(out), _as_float(ref)
     problems = []
     nan = torch.isnan(out)
     if nan.any():
@@ -94,14 +122,15 @@ def bitwise(name: str, out: torch.Tensor, ref: torch.Tensor, signed_zero_equal: 
                           f"{_first(unwritten)}")
     v.problems += _nonfinite_problems(name, out, ref, allow_matching_inf=True)
     a, b = out, ref
-    if signed_zero_equal and out.dtype.is_floating_point:
+    if signed_zero_equal and out.dtype.is_floating_point and out.element_size() > 1:
         a, b = out + 0.0, ref + 0.0  # x + 0.0 turns -0.0 into +0.0 and leaves every other value alone
     diff = _bits(a) != _bits(b)
     v.metrics[f"{name}.mismatches"] = float(diff.sum())
     if diff.any():
         idx = _first(diff)
         v.problems.append(f"{name}: {int(diff.sum())} of {diff.numel()} element(s) differ, first at "
-                          f"{idx}: got {a[idx].item()!r}, expected {b[idx].item()!r}")
+                          f"{idx}: got {_as_float(a)[idx].item()!r}, expected "
+                          f"{_as_float(b)[idx].item()!r}")
     v.passed = not v.problems
     return v
 

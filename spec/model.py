@@ -112,7 +112,7 @@ from spec.ops.kv_storage import (
     nvfp4_quantize,
 )
 from spec.ops.moe import NvFp4Experts, NvFp4Weight, SharedExpert, moe, moe_route, moe_shared_expert
-from spec.ops.moe import rowwise_matmul
+from spec.numerics import rowwise_matmul
 from spec.ops.mtp import greedy_argmax, logits_cast, mtp_draft_input
 from spec.ops.norms import rmsnorm
 from spec.ops.ple import NgramHashConfig, ple_apply, ple_embed, ple_history_advance

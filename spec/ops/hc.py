@@ -46,7 +46,7 @@ from typing import NamedTuple
 
 import torch
 
-from spec.numerics import acc_dtype, is_reference_mode, out_cast
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, rowwise_matmul
 
 N_STREAMS = 4
 SINKHORN_ITERS = 20
@@ -111,7 +111,8 @@ def hc_first_projection(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bia
     width = 2 * n + n * n
     if phi.shape[-1] != width or bias.shape[-1] != width:
         raise ValueError(f"Phi and bias must have {width} = 2n + n^2 columns for n = {n}")
-    logits = (v.to(acc) * r.to(acc)[:, None]) @ phi.to(acc) + bias.to(acc)
+    # Row by row, so a token's coefficients do not depend on the other tokens of the launch.
+    logits = rowwise_matmul(v.to(acc) * r.to(acc)[:, None], phi.to(acc)) + bias.to(acc)
     l_pre = logits[:, :n]
     l_post = logits[:, n:2 * n]
     l_res = logits[:, 2 * n:].reshape(-1, n, n)

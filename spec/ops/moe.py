@@ -54,7 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to, rowwise_matmul
 from spec.ops.kv_storage import (
     FP8_DTYPE,
     NVFP4_BLOCK,
@@ -64,22 +64,6 @@ from spec.ops.kv_storage import (
 )
 
 # ---------------------------------------------------------------- GEMM
-
-
-def rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """``a @ b`` for a [T, K] and b [K, N] (same dtype), computed row by row.
-
-    Each row is its own [1, K] @ [K, N] product on a freshly allocated copy of the row, so neither the
-    number of rows nor a row's position in memory can change its result (BLAS kernels may pick a
-    different summation order for different shapes or alignments). Returns [T, N] in a's dtype.
-    """
-    if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
-        raise ValueError(f"expected [T, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
-    out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
-    b = b.contiguous()
-    for t in range(a.shape[0]):
-        out[t] = (a[t:t + 1].clone() @ b)[0]
-    return out
 
 
 # ---------------------------------------------------------------- weight containers

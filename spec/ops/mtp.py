@@ -32,7 +32,7 @@ from typing import NamedTuple
 
 import torch
 
-from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to, rowwise_matmul
 from spec.ops.norms import rmsnorm
 
 TOKENS_PER_BLOCK = 32
@@ -96,7 +96,7 @@ def mtp_draft_input(next_token: torch.Tensor, h_prev: torch.Tensor, embed: torch
     acc = acc_dtype(h_prev, embed, norm_emb_w, norm_h_w, fc_w)
     e = round_to(rmsnorm(embed[next_token].to(acc), norm_emb_w.to(acc)), act_dtype, reference)
     h = round_to(rmsnorm(h_prev.to(acc), norm_h_w.to(acc)), act_dtype, reference)
-    h_new = torch.cat([e, h], dim=-1) @ fc_w.to(acc).T
+    h_new = rowwise_matmul(torch.cat([e, h], dim=-1), fc_w.to(acc).T)  # batch-invariant rows
     return out_cast(h_new, act_dtype, reference)
 
 

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to, rowwise_matmul
 from spec.ops.norms import rmsnorm
 
 HISTORY_LEN = 2          # ids kept: the largest order minus one
@@ -257,7 +257,7 @@ def ple_embed(ids: torch.Tensor, history: torch.Tensor, x_emb: torch.Tensor, tab
     rows = ple_ngram_hash(ids, history, cfg)                         # [T, heads]
     ngram = ngram_table[rows].to(acc).reshape(T, L * P)              # heads concatenated in order
     per_layer = math.sqrt(P) * table[ids].to(acc) + ngram            # scale first, then the n-grams
-    context = (x_emb.to(acc) @ w_ple.to(acc)) / math.sqrt(C)
+    context = rowwise_matmul(x_emb.to(acc), w_ple.to(acc)) / math.sqrt(C)
     context = rmsnorm(context.reshape(T, L, P), norm_w.to(acc))      # over P, per layer
     e = (per_layer.reshape(T, L, P) + context) / math.sqrt(2.0)
     return out_cast(e, act_dtype, reference)
@@ -275,7 +275,7 @@ def ple_apply(x: torch.Tensor, e_l: torch.Tensor, w_gate: torch.Tensor, w_out: t
     reference = is_reference_mode(x, e_l, w_gate, w_out, norm_w)
     acc = acc_dtype(x, e_l, w_gate, w_out, norm_w)
     xf = x.to(acc)
-    gate = F.gelu(xf @ w_gate.to(acc).T, approximate="tanh")
-    update = rmsnorm((gate * e_l.to(acc)) @ w_out.to(acc).T, norm_w.to(acc))
+    gate = F.gelu(rowwise_matmul(xf, w_gate.to(acc).T), approximate="tanh")
+    update = rmsnorm(rowwise_matmul(gate * e_l.to(acc), w_out.to(acc).T), norm_w.to(acc))
     update = round_to(update, act_dtype, reference)
     return out_cast(xf + update, x.dtype, reference)

@@ -107,3 +107,30 @@ def test_closer_to_float64_picks_the_smaller_error():
     assert oracles.closer_to_float64(good, bad, ref)[0] == "a"
     assert oracles.closer_to_float64(bad, good, ref)[0] == "b"
     assert oracles.closer_to_float64(good, good.clone(), ref)[0] == "tie"
+
+
+def test_round_once_avoids_the_double_rounding_of_torch_casts():
+    # 1 + 2^-8 + 2^-24 is just above the bf16 tie 1 + 2^-8: the correct bf16 result is 1 + 2^-7.
+    x = torch.tensor([1 + 2 ** -8 + 2 ** -24, -(1 + 2 ** -8 + 2 ** -24), 1 + 2 ** -8, 3.0],
+                     dtype=torch.float64)
+    got = oracles.round_once(x, torch.bfloat16)
+    assert got.tolist() == [1 + 2 ** -7, -(1 + 2 ** -7), 1.0, 3.0]  # the exact tie goes to even
+    assert x.to(torch.bfloat16)[0].item() == 1.0  # what the plain cast gives
+
+
+def test_round_once_matches_exact_rounding_on_random_values():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(100_000, generator=gen, dtype=torch.float64) * 3
+    got = oracles.round_once(x, torch.bfloat16).double()
+    # the exact answer: the nearer of the two bf16 neighbours (ties are measure-zero here)
+    lo = x.to(torch.float32).to(torch.bfloat16).double()
+    ulp = oracles.ulp_of(lo, torch.bfloat16)
+    cands = torch.stack([lo - ulp, lo, lo + ulp])
+    best = cands.gather(0, (cands - x).abs().argmin(0, keepdim=True))[0]
+    assert torch.equal(got, best)
+
+
+def test_float8_outputs_are_checked_not_crashed():
+    out = torch.tensor([1.0, 2.0], dtype=torch.float8_e4m3fn)
+    assert oracles.bitwise("c", out, out.clone()).passed
+    assert not oracles.bitwise("c", out, torch.tensor([1.0, 4.0], dtype=torch.float8_e4m3fn)).passed

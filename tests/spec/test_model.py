@@ -172,9 +172,6 @@ def test_batch_composition_does_not_change_logits(w64: Weights, others: list[int
         assert _rel(a, b) < 1e-12
 
 
-@pytest.mark.xfail(strict=False, reason="spec/ops: hc_first_projection and ple_apply multiply all rows "
-                   "with one plain `@`, whose per-row result depends on the row count on CPU BLAS; "
-                   "the rest of the model is batch-invariant bit for bit")
 def test_batch_composition_is_bitwise(w64: Weights) -> None:
     toks = _tokens(1, 3, 40)
     together = forward(w64, TINY, toks, _cache(3))
