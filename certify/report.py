@@ -128,10 +128,15 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str]) -> s
                            tablefmt="github"))
     if not attention and not catalog.errors:
         md.append("Nothing: every listed (variant, cell, arch) is certified.")
+    declared = [(name, item) for name, op in sorted(catalog.ops.items()) for item in op.not_certified]
+    if declared:
+        md += ["", "## Declared not certified", "",
+               "What the cell files say is outside their cells (details in each op's note):", ""]
+        md += [f"- [{name}](ops/{name}.md): {item.what}" for name, item in declared]
     md += ["", "## Totals", "",
            tabulate(counts(rows, archs), headers=["arch", *STATUSES], tablefmt="github"), ""]
     if extras:
-        md += ["## Target", "", *extras, ""]
+        md += [*extras, ""]
     md += ["## Matrix", ""]
     for name in sorted(catalog.ops):
         op_rows = [r for r in rows if r.op == name]
