@@ -41,6 +41,7 @@ from pydantic_core import InitErrorDetails, PydanticCustomError
 
 from spec.ops.kv_storage import NVFP4_BLOCK
 from spec.ops.kv_storage import kv_bytes_per_token as _kv_bytes_per_layer
+from spec.ops.ple import is_prime
 
 LayerKind = Literal["gdn", "qsa"]
 KvDtypeName = Literal["bf16", "fp8", "nvfp4"]
@@ -51,25 +52,12 @@ _BF16 = 2
 _INT32 = 4
 
 
-def _is_prime(p: int) -> bool:
-    if p < 2:
-        return False
-    if p % 2 == 0:
-        return p == 2
-    d = 3
-    while d * d <= p:
-        if p % d == 0:
-            return False
-        d += 2
-    return True
-
-
 def largest_primes_below(bound: int, count: int) -> tuple[int, ...]:
     """The ``count`` largest primes strictly below ``bound``, descending (empty tuple if too few)."""
     out: list[int] = []
     p = bound - 1
     while p >= 2 and len(out) < count:
-        if _is_prime(p):
+        if is_prime(p):
             out.append(p)
         p -= 1
     return tuple(out) if len(out) == count else ()

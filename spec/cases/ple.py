@@ -21,7 +21,7 @@ import torch
 from certify.harness import Case, OutSpec
 from spec.cases.common import DTYPES, randn
 from spec.config import ModelConfig
-from spec.ops.ple import NgramHashConfig, ple_embed, ple_ngram_hash
+from spec.ops.ple import NgramHashConfig, is_prime, ple_embed, ple_ngram_hash
 
 ACT = torch.bfloat16
 _TARGET = ModelConfig.target()
@@ -71,23 +71,12 @@ def _multipliers(gen: torch.Generator, heads: int, order: int) -> torch.Tensor:
     return torch.tensor(vals, dtype=torch.int64)
 
 
-def _is_prime(p: int) -> bool:
-    if p < 2 or p % 2 == 0:
-        return p == 2
-    d = 3
-    while d * d <= p:
-        if p % d == 0:
-            return False
-        d += 2
-    return True
-
-
 def _primes(gen: torch.Generator, n: int, lo: int, hi: int) -> torch.Tensor:
     """n distinct primes drawn in [lo, hi) (the next prime after a uniform draw)."""
     out: list[int] = []
     while len(out) < n:
         p = int(torch.randint(lo, hi, (), generator=gen))
-        while not _is_prime(p):
+        while not is_prime(p):
             p += 1
         if p < hi and p not in out:
             out.append(p)

@@ -69,14 +69,15 @@ _U64_MASK = (1 << 64) - 1
 _MAX_PRIME = 1 << 31     # keeps Horner's partial values below 2^47
 
 
-def _is_prime(p: int) -> bool:
-    if p < 2:
-        return False
-    d = 2
+def is_prime(p: int) -> bool:
+    """Trial division; the moduli are below 2^31, so at most ~23,000 odd divisors."""
+    if p < 2 or p % 2 == 0:
+        return p == 2
+    d = 3
     while d * d <= p:
         if p % d == 0:
             return False
-        d += 1
+        d += 2
     return True
 
 
@@ -106,7 +107,7 @@ class NgramHashConfig:
                 if len(head) != n or any(not (0 < m <= _U64_MASK and m % 2 == 1) for m in head):
                     raise ValueError(f"order {n}: each head needs {n} odd 64-bit multipliers")
         flat = [p for primes in self.primes for p in primes]
-        if len(set(flat)) != len(flat) or any(not (_is_prime(p) and p < _MAX_PRIME) for p in flat):
+        if len(set(flat)) != len(flat) or any(not (is_prime(p) and p < _MAX_PRIME) for p in flat):
             raise ValueError("hash head moduli must be distinct primes below 2^31")
         if self.pad_id < 0:
             raise ValueError("pad_id must be a token id (non-negative)")

@@ -18,6 +18,35 @@ from impl.kernels.triton_support import round_to_bf16, softplus
 
 
 @triton.jit
+def _row_step(S, q_row, k_row, v_row, a_row, b_row, offs_k, offs_v, neg_A, dtb, scale, l2_eps,
+              STATE_BF16: tl.constexpr):
+    """One row of the gated delta rule on a [K, BV] state tile: gates, l2norm, update, output.
+
+    The pointers address this row's q and k (key head), v (this tile's columns), a and b (value
+    head). Returns the new state tile and o = S^T q^ over the tile's columns, both fp32."""
+    qv = tl.load(q_row + offs_k).to(tl.float32)
+    kv = tl.load(k_row + offs_k).to(tl.float32)
+    vv = tl.load(v_row + offs_v).to(tl.float32)
+    decay = tl.exp(neg_A * softplus(tl.load(a_row).to(tl.float32) + dtb))
+    beta = 1.0 / (1.0 + tl.exp(-tl.load(b_row).to(tl.float32)))
+    qn = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + l2_eps) * scale
+    kn = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + l2_eps)
+    S = S * decay
+    u = beta * (vv - tl.sum(kn[:, None] * S, axis=0))
+    S = S + kn[:, None] * u[None, :]
+    if STATE_BF16:
+        S = round_to_bf16(S)
+    return S, tl.sum(qn[:, None] * S, axis=0)
+
+
+@triton.jit
+def _gated_norm(o, w, zz, norm_eps, V: tl.constexpr):
+    """The gated RMSNorm of one whole row of V: two bf16 rounding points, returned as fp32."""
+    normed = round_to_bf16(w * (o / tl.sqrt(tl.sum(o * o, axis=0) / V + norm_eps)))
+    return round_to_bf16(normed * (zz / (1.0 + tl.exp(-zz))))
+
+
+@triton.jit
 def _gdn_rows_kernel(q, k, v, a, b, A_log, dt_bias, z, norm_w, pool, slots, out, states,
                      T, scale, l2_eps, norm_eps,
                      HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -37,23 +66,11 @@ def _gdn_rows_kernel(q, k, v, a, b, A_log, dt_bias, z, norm_w, pool, slots, out,
     w = tl.load(norm_w + offs_v).to(tl.float32)
     for t in range(T):
         row = i_b * T + t
-        qv = tl.load(q + (row * HK + i_hk) * K + offs_k).to(tl.float32)
-        kv = tl.load(k + (row * HK + i_hk) * K + offs_k).to(tl.float32)
-        vv = tl.load(v + (row * HV + i_hv) * V + offs_v).to(tl.float32)
-        x = tl.load(a + row * HV + i_hv).to(tl.float32) + dtb
-        decay = tl.exp(neg_A * softplus(x))
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b + row * HV + i_hv).to(tl.float32)))
-        qn = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + l2_eps) * scale
-        kn = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + l2_eps)
-        S = S * decay
-        u = beta * (vv - tl.sum(kn[:, None] * S, axis=0))
-        S = S + kn[:, None] * u[None, :]
-        if STATE_BF16:
-            S = round_to_bf16(S)
-        o = tl.sum(qn[:, None] * S, axis=0)
-        normed = round_to_bf16(w * (o / tl.sqrt(tl.sum(o * o, axis=0) / V + norm_eps)))
+        S, o = _row_step(S, q + (row * HK + i_hk) * K, k + (row * HK + i_hk) * K,
+                         v + (row * HV + i_hv) * V, a + row * HV + i_hv, b + row * HV + i_hv,
+                         offs_k, offs_v, neg_A, dtb, scale, l2_eps, STATE_BF16)
         zz = tl.load(z + (row * HV + i_hv) * V + offs_v).to(tl.float32)
-        gated = round_to_bf16(normed * (zz / (1.0 + tl.exp(-zz))))
+        gated = _gated_norm(o, w, zz, norm_eps, V)
         tl.store(out + (row * HV + i_hv) * V + offs_v, gated.to(out.dtype.element_ty))
         if RECORD:
             rec = states + (row.to(tl.int64) * HV + i_hv) * (K * V)
@@ -118,20 +135,9 @@ def _gdn_rows_split_kernel(q, k, v, a, b, A_log, dt_bias, pool, slots, o_buf, st
     dtb = tl.load(dt_bias + i_hv).to(tl.float32)
     for t in range(T):
         row = i_b * T + t
-        qv = tl.load(q + (row * HK + i_hk) * K + offs_k).to(tl.float32)
-        kv = tl.load(k + (row * HK + i_hk) * K + offs_k).to(tl.float32)
-        vv = tl.load(v + (row * HV + i_hv) * V + offs_v).to(tl.float32)
-        x = tl.load(a + row * HV + i_hv).to(tl.float32) + dtb
-        decay = tl.exp(neg_A * softplus(x))
-        beta = 1.0 / (1.0 + tl.exp(-tl.load(b + row * HV + i_hv).to(tl.float32)))
-        qn = qv / tl.sqrt(tl.sum(qv * qv, axis=0) + l2_eps) * scale
-        kn = kv / tl.sqrt(tl.sum(kv * kv, axis=0) + l2_eps)
-        S = S * decay
-        u = beta * (vv - tl.sum(kn[:, None] * S, axis=0))
-        S = S + kn[:, None] * u[None, :]
-        if STATE_BF16:
-            S = round_to_bf16(S)
-        o = tl.sum(qn[:, None] * S, axis=0)
+        S, o = _row_step(S, q + (row * HK + i_hk) * K, k + (row * HK + i_hk) * K,
+                         v + (row * HV + i_hv) * V, a + row * HV + i_hv, b + row * HV + i_hv,
+                         offs_k, offs_v, neg_A, dtb, scale, l2_eps, STATE_BF16)
         tl.store(o_buf + (row * HV + i_hv) * V + offs_v, o)
         if RECORD:
             rec = states + (row.to(tl.int64) * HV + i_hv) * (K * V)
@@ -146,9 +152,8 @@ def _gated_norm_rows_kernel(o_buf, z, norm_w, out, norm_eps, V: tl.constexpr):
     offs = tl.arange(0, V)
     o = tl.load(o_buf + row * V + offs)
     w = tl.load(norm_w + offs).to(tl.float32)
-    normed = round_to_bf16(w * (o / tl.sqrt(tl.sum(o * o, axis=0) / V + norm_eps)))
     zz = tl.load(z + row * V + offs).to(tl.float32)
-    gated = round_to_bf16(normed * (zz / (1.0 + tl.exp(-zz))))
+    gated = _gated_norm(o, w, zz, norm_eps, V)
     tl.store(out + row * V + offs, gated.to(out.dtype.element_ty))
 
 
