@@ -157,6 +157,11 @@ def main() -> None:
     import triton
 
     versions["triton"] = triton.__version__
+    for peer, module in (("flashinfer", "flashinfer"), ("fla", "fla")):
+        try:
+            versions[peer] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - an absent peer is reported in its column
+            versions[peer] = "not installed"
     head = ["state", "batch", "floor us", *[f"{v.name} us" for v in op.variants],
             "best / floor", *[f"{p} us (rel err of o)" for p in PEERS]]
     lines = [f"# GDN decode step, {torch.cuda.get_device_name()}, {dt.date.today().isoformat()}", "",
