@@ -1,0 +1,484 @@
+"""The engine's configuration and the routing check that refuses, before anything is built, every
+combination the model cannot run (DESIGN.md, "The engine").
+
+``EngineConfig`` is a frozen pydantic model (unknown fields refused). Field-level checks (types, ranges)
+are pydantic's; every *combination* the model cannot run is a named ``Rule`` in ``RULES``. ``check``
+runs every rule (it does not stop at the first) and returns one ``Refusal`` per broken rule; ``route``
+(also ``EngineConfig.build_plan``) raises ``ConfigRefused`` listing every refusal with its rule's name,
+or returns the ``RoutePlan``: the variant each op of the catalog will run on the runtime arch.
+``explain`` prints why a configuration was accepted or refused.
+
+Rules that read the catalog (``certify/cells``) read it as it is: a dtype is supported when the cells'
+axes name it, a verify width when a cell certifies it. The rules run against a ``RuleContext`` (model
+geometry, catalog, arch); tests pass a modified catalog to exercise a rule the real one satisfies.
+
+Decisions:
+- ``kv_cache_dtype`` accepts 'fp16' and 'int8' besides the three MATH.md storage formats, and
+  ``state_dtype`` accepts 'fp16', so that their rules refuse them with their own message rather than a
+  type error. ``model_dtype`` accepts 'bf16' | 'fp16' | 'fp32'; only bf16 (every ``act_dtype`` axis of
+  the catalog) is supported.
+- ``moe_backend``: 'torch' (the spec composition, the only MoE path this project has: the moe cells'
+  only variant is the spec's own low-precision path) is supported; 'trtllm' and 'cutedsl' are accepted by
+  the type and refused by ``moe_backend_supported`` (no such kernels exist here).
+- Speculation (``speculative``) is MTP with a fixed draft length K in 1..7; ``dynamic_draft_length``
+  is accepted by the type and refused by ``static_draft_length``.
+- **Certified for the draft length** (rule ``verify_width_certified``). The ops whose width is the
+  draft length are ``VERIFY_WIDTH_OPS``: gdn_verify (axis ``rows``, needs K + 1), greedy_verify and
+  rollback_commit (axis ``draft``, needs K). Other ops with a ``rows`` axis (norms, QSA) count every row
+  of a step, not one request's verify width, so they are not width ops. For each width op, K is
+  certified when (a) the needed width lies inside the reach of the width axis, (b) the dispatch on the
+  runtime arch chooses a variant (the first variant in file order whose archs include the arch and whose
+  rule accepts the axes the config fixes: batch = max_batch_size, the width, state_dtype) and (c) the
+  catalog has a cell that certifies that variant on that arch (``variants_of_cell``; the cell's archs,
+  if given, include the arch) whose width is >= the needed width and whose ``state_dtype`` (when the op
+  has that axis) equals the configured one. The nearest such cell is the one reported. The rule reads
+  the cells the catalog *declares*; whether their receipts are fresh is what ``explain`` reports, not a
+  routing condition (a receipt goes stale on every code edit until the certification is re-run).
+  With today's catalog: K = 7 needs an 8-row gdn_verify cell, which exists for an fp32 state
+  (r8_b2_fp32) but not for bf16 (the widest bf16 cell has 4 rows), so bf16 state is certified to K = 3.
+- The nvfp4 rule follows the change description: nvfp4 KV needs chunked prefill, block reuse or
+  speculation (at least one of them), and is refused with none.
+- ``max_batch_size`` must lie in the reach of every catalog ``batch`` axis, ``max_seq_len`` in every
+  ``context`` axis, and ``max_num_tokens`` must hold one full verify step (max_batch_size x (K + 1)
+  rows) and one decode step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from functools import lru_cache
+from typing import Callable, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from certify.archs import runtime_arch
+from certify.catalog import Catalog, load_catalog
+from certify.paths import project_paths
+from certify.plan import variants_of_cell
+from certify.rules import RuleError, evaluate
+from certify.schema import Cell, OpFile
+from spec.config import ModelConfig
+
+ModelPreset = Literal["target", "tiny"]
+ModelDtype = Literal["bf16", "fp16", "fp32"]
+KvCacheDtype = Literal["bf16", "fp8", "nvfp4", "fp16", "int8"]
+StateDtype = Literal["fp32", "bf16", "fp16"]
+MoeBackend = Literal["torch", "trtllm", "cutedsl"]
+
+SUPPORTED_MOE_BACKENDS = ("torch",)
+
+# config dtype name -> the catalog's axis value
+_CATALOG_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "fp8": "fp8",
+                  "nvfp4": "nvfp4", "int8": "int8"}
+
+# op -> (width axis, offset): the width a request needs is draft_length + offset
+VERIFY_WIDTH_OPS: dict[str, tuple[str, int]] = {
+    "gdn_verify": ("rows", 1),
+    "greedy_verify": ("draft", 0),
+    "rollback_commit": ("draft", 0),
+}
+
+
+class SpeculativeConfig(BaseModel):
+    """MTP speculation: K draft tokens a step, verified as K + 1 rows a request."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    draft_length: int = Field(ge=1, le=7)
+    dynamic_draft_length: bool = False
+    index_share: bool = False
+
+
+class EngineConfig(BaseModel):
+    """What the engine is asked to build. Combinations are checked by ``RULES`` (see ``route``)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelPreset = "target"
+    model_dtype: ModelDtype = "bf16"
+    kv_cache_dtype: KvCacheDtype = "bf16"
+    state_dtype: StateDtype = "fp32"
+    moe_backend: MoeBackend = "torch"
+    max_batch_size: int = Field(8, ge=1)
+    max_num_tokens: int = Field(8192, ge=1)
+    max_seq_len: int = Field(131072, ge=1)
+    enable_chunked_prefill: bool = True
+    enable_block_reuse: bool = False
+    speculative: SpeculativeConfig | None = None
+
+    def model_geometry(self) -> ModelConfig:
+        return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
+
+    def build_plan(self, ctx: RuleContext | None = None) -> RoutePlan:
+        """``route(self)``: the plan, or ``ConfigRefused`` before anything is built."""
+        return route(self, ctx)
+
+
+# ---------------------------------------------------------------------------- rules
+
+
+@dataclass(frozen=True)
+class RuleContext:
+    """What the rules read besides the config: the model geometry, the catalog and the arch."""
+
+    model: ModelConfig
+    catalog: Catalog
+    arch: str
+
+
+@lru_cache(maxsize=1)
+def _project_catalog() -> Catalog:
+    return load_catalog(project_paths().cells)
+
+
+def default_context(config: EngineConfig) -> RuleContext:
+    return RuleContext(config.model_geometry(), _project_catalog(), runtime_arch())
+
+
+@dataclass(frozen=True)
+class Rule:
+    name: str
+    statement: str  # one sentence: what a runnable config satisfies
+    check: Callable[[EngineConfig, RuleContext], str | None]  # None, or why the config breaks it
+
+
+@dataclass(frozen=True)
+class Refusal:
+    rule: str
+    statement: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.reason}"
+
+
+class ConfigRefused(ValueError):
+    def __init__(self, refusals: list[Refusal]):
+        self.refusals = list(refusals)
+        lines = "\n".join(f"  - {r}" for r in self.refusals)
+        super().__init__(f"engine configuration refused by {len(self.refusals)} rule(s):\n{lines}")
+
+
+def _axis_values(cat: Catalog, axis: str) -> dict[str, tuple]:
+    """op -> the values of its choice axis ``axis`` (ops without it left out)."""
+    return {n: tuple(op.axes[axis].values) for n, op in cat.ops.items()
+            if axis in op.axes and op.axes[axis].kind == "choice"}
+
+
+def _unsupported_dtype(value: str, axis: str, ctx: RuleContext) -> str | None:
+    want = _CATALOG_DTYPE[value]
+    missing = {n: v for n, v in _axis_values(ctx.catalog, axis).items() if want not in v}
+    if not missing:
+        return None
+    n, v = sorted(missing.items())[0]
+    more = f" (and {len(missing) - 1} more op(s))" if len(missing) > 1 else ""
+    return f"{value} is not a value of the {axis} axis of {n}, which allows {list(v)}{more}"
+
+
+def _kv_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
+    return _unsupported_dtype(c.kv_cache_dtype, "kv_dtype", ctx)
+
+
+def _model_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
+    return _unsupported_dtype(c.model_dtype, "act_dtype", ctx)
+
+
+def _moe_backend(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.moe_backend in SUPPORTED_MOE_BACKENDS:
+        return None
+    return (f"moe_backend {c.moe_backend!r} has no kernels in this project; "
+            f"supported: {list(SUPPORTED_MOE_BACKENDS)}")
+
+
+def _state_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.state_dtype == "fp16":
+        return ("fp16 recurrent state is refused: the GDN state is stored in fp32 or bf16 only "
+                "(MATH.md), and no cell certifies an fp16 state pool")
+    return _unsupported_dtype(c.state_dtype, "state_dtype", ctx)
+
+
+def _static_draft(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.speculative is not None and c.speculative.dynamic_draft_length:
+        return ("dynamic_draft_length is refused: the draft length is fixed when the engine is built "
+                "(state pools, verify widths and the certified cells depend on it)")
+    return None
+
+
+def _draft_layer(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.speculative is None:
+        return None
+    m = ctx.model
+    if m.mtp_layers < 1:
+        return f"speculation needs an MTP draft layer; the {c.model} model has mtp_layers=0"
+    if c.speculative.draft_length > m.max_draft_len:
+        return (f"draft_length {c.speculative.draft_length} exceeds the {c.model} model's "
+                f"max_draft_len {m.max_draft_len}")
+    return None
+
+
+def _config_axes(c: EngineConfig, op: OpFile) -> dict[str, object]:
+    """The axis values of ``op`` this config fixes (plus the single-choice axes)."""
+    axes: dict[str, object] = {n: a.values[0] for n, a in op.axes.items()
+                               if a.kind == "choice" and len(a.values) == 1}
+    known: dict[str, object] = {
+        "batch": c.max_batch_size,
+        "state_dtype": _CATALOG_DTYPE[c.state_dtype],
+        "kv_dtype": _CATALOG_DTYPE[c.kv_cache_dtype],
+        "act_dtype": _CATALOG_DTYPE[c.model_dtype],
+    }
+    if op.op in VERIFY_WIDTH_OPS and c.speculative is not None:
+        axis, offset = VERIFY_WIDTH_OPS[op.op]
+        known[axis] = c.speculative.draft_length + offset
+    axes.update({k: v for k, v in known.items() if k in op.axes})
+    return axes
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The variant an op runs on an arch, and how it was chosen."""
+
+    op: str
+    variant: str | None
+    axes: dict[str, object]
+    how: str  # "dispatch" | "first runnable" | "none"
+    note: str = ""
+
+
+def choose_variant(c: EngineConfig, op: OpFile, arch: str) -> Choice:
+    """First variant in file order that runs on ``arch`` and whose rule accepts the config's axes. A
+    rule that reads an axis the config does not fix (e.g. seq_len) is decided per step: then the first
+    variant runnable on the arch is listed, with the axes that decide."""
+    axes = _config_axes(c, op)
+    runnable = [v for v in op.variants if arch in v.archs]
+    if not runnable:
+        return Choice(op.op, None, axes, "none", f"no variant runs on {arch}")
+    for v in runnable:
+        try:
+            if evaluate(v.dispatch, axes):
+                return Choice(op.op, v.name, axes, "dispatch")
+        except RuleError:
+            return Choice(op.op, runnable[0].name, axes, "first runnable",
+                          f"dispatch reads per-step axes ({v.dispatch!r})")
+    return Choice(op.op, None, axes, "none", f"no variant's rule accepts {axes} on {arch}")
+
+
+def _cell_serves(op: OpFile, cell: Cell, variant: str, arch: str) -> bool:
+    return (any(v.name == variant for v in variants_of_cell(op, cell))
+            and (cell.archs is None or arch in cell.archs))
+
+
+def certifying_cell(c: EngineConfig, op: OpFile, arch: str) -> tuple[Cell | None, str]:
+    """For a width op and a config with speculation: the nearest certified cell (or None) and why."""
+    axis_name, offset = VERIFY_WIDTH_OPS[op.op]
+    k = c.speculative.draft_length
+    need = k + offset
+    axis = op.axes[axis_name]
+    if not axis.contains(need):
+        return None, (f"{op.op} needs {axis_name}={need} for draft length {k}, outside the axis "
+                      f"reach {list(axis.reach)}")
+    choice = choose_variant(c, op, arch)
+    if choice.variant is None:
+        return None, f"{op.op}: {choice.note}"
+    state = _CATALOG_DTYPE[c.state_dtype]
+    fits = [cell for cell in op.cells
+            if _cell_serves(op, cell, choice.variant, arch)
+            and op.axes_of(cell).get(axis_name, 0) >= need
+            and ("state_dtype" not in op.axes or op.axes_of(cell).get("state_dtype") == state)]
+    if not fits:
+        st = f" with state_dtype {state}" if "state_dtype" in op.axes else ""
+        return None, (f"draft length {k} needs a cell of {op.op}'s variant {choice.variant!r} on "
+                      f"{arch} with {axis_name} >= {need}{st}; none is certified")
+    best = min(fits, key=lambda cell: op.axes_of(cell)[axis_name])
+    return best, f"{op.op}::{choice.variant}::{best.id} ({axis_name}={op.axes_of(best)[axis_name]})"
+
+
+def _verify_width(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.speculative is None:
+        return None
+    problems = []
+    for name in VERIFY_WIDTH_OPS:
+        op = ctx.catalog.ops.get(name)
+        if op is None:
+            problems.append(f"the catalog has no {name} op, so no verify width is certified")
+            continue
+        cell, why = certifying_cell(c, op, ctx.arch)
+        if cell is None:
+            problems.append(why)
+    return "; ".join(problems) or None
+
+
+def _nvfp4_kv(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.kv_cache_dtype != "nvfp4":
+        return None
+    if c.enable_chunked_prefill or c.enable_block_reuse or c.speculative is not None:
+        return None
+    return ("nvfp4 KV needs chunked prefill, block reuse or speculation; all three are off")
+
+
+def _reach_of(cat: Catalog, axis: str) -> tuple[str, int] | None:
+    """The tightest upper reach of int axis ``axis`` over the catalog: (op, hi)."""
+    reaches = sorted((op.axes[axis].reach[1], n) for n, op in cat.ops.items()
+                     if axis in op.axes and op.axes[axis].kind == "int")
+    return (reaches[0][1], reaches[0][0]) if reaches else None
+
+
+def _batch_reach(c: EngineConfig, ctx: RuleContext) -> str | None:
+    r = _reach_of(ctx.catalog, "batch")
+    if r is None or c.max_batch_size <= r[1]:
+        return None
+    return f"max_batch_size {c.max_batch_size} exceeds the batch reach of {r[0]} ({r[1]})"
+
+
+def _context_reach(c: EngineConfig, ctx: RuleContext) -> str | None:
+    r = _reach_of(ctx.catalog, "context")
+    if r is None or c.max_seq_len <= r[1]:
+        return None
+    return f"max_seq_len {c.max_seq_len} exceeds the context reach of {r[0]} ({r[1]})"
+
+
+def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
+    rows = c.speculative.draft_length + 1 if c.speculative is not None else 1
+    need = c.max_batch_size * rows
+    if c.max_num_tokens >= need:
+        return None
+    return (f"max_num_tokens {c.max_num_tokens} cannot hold one full generation step: "
+            f"max_batch_size {c.max_batch_size} x {rows} row(s) = {need}")
+
+
+RULES: list[Rule] = [
+    Rule("kv_cache_dtype_supported",
+         "The KV cache dtype is a value of every kv_dtype axis in the catalog.", _kv_dtype),
+    Rule("model_dtype_supported",
+         "The model dtype is a value of every act_dtype axis in the catalog.", _model_dtype),
+    Rule("moe_backend_supported",
+         "The MoE backend is one this project implements (torch).", _moe_backend),
+    Rule("state_dtype_supported",
+         "The recurrent-state dtype is fp32 or bf16 and a value of every state_dtype axis; fp16 is "
+         "refused.", _state_dtype),
+    Rule("static_draft_length",
+         "The draft length is fixed for the engine's lifetime (no dynamic draft length).",
+         _static_draft),
+    Rule("draft_length_within_model",
+         "Speculation needs the model's MTP layer and a draft length <= its max_draft_len.",
+         _draft_layer),
+    Rule("verify_width_certified",
+         "Every verify-width op's dispatched variant has a certified cell at least as wide as the "
+         "draft length needs, with the configured state dtype.", _verify_width),
+    Rule("nvfp4_kv_needs_chunked_prefill_block_reuse_or_speculation",
+         "nvfp4 KV runs only with chunked prefill, block reuse or speculation enabled.", _nvfp4_kv),
+    Rule("max_batch_size_within_reach",
+         "max_batch_size lies within every batch axis reach of the catalog.", _batch_reach),
+    Rule("max_seq_len_within_reach",
+         "max_seq_len lies within every context axis reach of the catalog.", _context_reach),
+    Rule("token_budget_holds_a_step",
+         "max_num_tokens holds one generation step of max_batch_size requests (K + 1 rows each with "
+         "speculation).", _token_budget),
+]
+
+
+def evaluate_rules(config: EngineConfig, ctx: RuleContext | None = None
+                   ) -> list[tuple[Rule, str | None]]:
+    """Every rule with its outcome (None = passed), in RULES order."""
+    ctx = ctx or default_context(config)
+    return [(rule, rule.check(config, ctx)) for rule in RULES]
+
+
+def check(config: EngineConfig, ctx: RuleContext | None = None) -> list[Refusal]:
+    """Every broken rule, in RULES order (all rules run; none stops the others)."""
+    return [Refusal(rule.name, rule.statement, reason)
+            for rule, reason in evaluate_rules(config, ctx) if reason is not None]
+
+
+# ---------------------------------------------------------------------------- routing
+
+
+@dataclass(frozen=True)
+class RoutePlan:
+    config: EngineConfig
+    arch: str
+    choices: dict[str, Choice] = field(default_factory=dict)
+
+
+def _op_runs(config: EngineConfig, name: str) -> bool:
+    """Verify-width ops run only with speculation."""
+    return name not in VERIFY_WIDTH_OPS or config.speculative is not None
+
+
+def route(config: EngineConfig, ctx: RuleContext | None = None) -> RoutePlan:
+    """Refuse (``ConfigRefused``, every refusal listed) or return the variant plan; nothing is built."""
+    ctx = ctx or default_context(config)
+    refusals = check(config, ctx)
+    if refusals:
+        raise ConfigRefused(refusals)
+    choices = {n: choose_variant(config, op, ctx.arch)
+               for n, op in sorted(ctx.catalog.ops.items()) if _op_runs(config, n)}
+    return RoutePlan(config, ctx.arch, choices)
+
+
+# ---------------------------------------------------------------------------- explain
+
+
+def _receipt_summary(op: OpFile, variant: str, arch: str, book: dict) -> str:
+    from certify.receipts import freshness
+
+    cells = [cell for cell in op.cells if _cell_serves(op, cell, variant, arch)]
+    if not cells:
+        return f"no cell certifies it on {arch}"
+    states = [freshness(book.get((op.op, variant, cell.id)), op, variant, cell) for cell in cells]
+    n = states.count("certified")
+    return f"{'certified' if n else 'NOT certified'} receipt at {n}/{len(cells)} cell(s) on {arch}"
+
+
+def _fmt_config(c: EngineConfig) -> str:
+    spec = ("off" if c.speculative is None else
+            f"K={c.speculative.draft_length} dynamic={c.speculative.dynamic_draft_length} "
+            f"index_share={c.speculative.index_share}")
+    return (f"model={c.model} model_dtype={c.model_dtype} kv_cache_dtype={c.kv_cache_dtype} "
+            f"state_dtype={c.state_dtype} moe_backend={c.moe_backend} "
+            f"max_batch_size={c.max_batch_size} max_num_tokens={c.max_num_tokens} "
+            f"max_seq_len={c.max_seq_len} chunked_prefill={c.enable_chunked_prefill} "
+            f"block_reuse={c.enable_block_reuse} speculative={spec}")
+
+
+def explain(config: EngineConfig, ctx: RuleContext | None = None,
+            receipts: dict | None = None) -> str:
+    """Accepted or refused; every rule with PASS/FAIL and its reason; for an accepted config, the variant
+    each op runs on the arch and whether that variant holds a fresh passing receipt at any cell.
+    ``receipts`` is ``load_receipts``'s arch -> book (default: the project's receipts directory)."""
+    ctx = ctx or default_context(config)
+    outcomes = evaluate_rules(config, ctx)
+    failed = [r for r, why in outcomes if why is not None]
+    lines = [f"config: {_fmt_config(config)}", f"arch: {ctx.arch}",
+             "ACCEPTED" if not failed else
+             f"REFUSED by {len(failed)} rule(s): {', '.join(r.name for r in failed)}", "rules:"]
+    for rule, why in outcomes:
+        lines.append(f"  [{'PASS' if why is None else 'FAIL'}] {rule.name}: {rule.statement}")
+        if why is not None:
+            lines.append(f"         reason: {why}")
+    if failed:
+        return "\n".join(lines)
+    if config.speculative is not None:
+        lines.append("verify widths:")
+        for name in VERIFY_WIDTH_OPS:
+            _, why = certifying_cell(config, ctx.catalog.ops[name], ctx.arch)
+            lines.append(f"  {name}: certified by {why}")
+    if receipts is None:
+        from certify.receipts import load_receipts
+        receipts = load_receipts(project_paths().receipts)
+    book = receipts.get(ctx.arch, {})
+    plan = route(config, ctx)
+    lines.append(f"variants on {ctx.arch}:")
+    for name, op in sorted(ctx.catalog.ops.items()):
+        if name not in plan.choices:
+            lines.append(f"  {name}: not run (speculation off)")
+            continue
+        ch = plan.choices[name]
+        if ch.variant is None:
+            lines.append(f"  {name}: none ({ch.note})")
+            continue
+        fixed = {k: v for k, v in ch.axes.items()
+                 if not (op.axes[k].kind == "choice" and len(op.axes[k].values) == 1)}
+        how = (f"dispatch at {fixed}" if ch.how == "dispatch" else f"{ch.how}: {ch.note}")
+        lines.append(f"  {name}: {ch.variant} ({how}); "
+                     f"{_receipt_summary(op, ch.variant, ctx.arch, book)}")
+    return "\n".join(lines)

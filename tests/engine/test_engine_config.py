@@ -1,0 +1,199 @@
+"""EngineConfig routing: one test per refusal rule (name and exact message), explain, and the CLI."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from certify.catalog import Catalog
+from impl.model import cli
+from impl.model.engine_config import (RULES, ConfigRefused, EngineConfig, RuleContext,
+                                      SpeculativeConfig, check, default_context, explain, route)
+
+
+def spec(k: int, **kw) -> SpeculativeConfig:
+    return SpeculativeConfig(draft_length=k, **kw)
+
+
+def only(config: EngineConfig, ctx: RuleContext | None = None):
+    refusals = check(config, ctx)
+    assert len(refusals) == 1, refusals
+    return refusals[0]
+
+
+def test_rule_names_unique_and_stated():
+    names = [r.name for r in RULES]
+    assert len(names) == len(set(names))
+    assert all(r.statement.endswith(".") for r in RULES)
+
+
+def test_default_and_tiny_accepted():
+    for c in (EngineConfig(), EngineConfig(model="tiny", speculative=spec(7))):
+        assert check(c) == []
+        plan = c.build_plan()
+        assert plan.choices["gdn_decode"].variant is not None
+
+
+def test_extra_field_and_frozen():
+    with pytest.raises(ValidationError):
+        EngineConfig(kv_dtype="bf16")
+    with pytest.raises(ValidationError):
+        EngineConfig().max_batch_size = 3
+    with pytest.raises(ValidationError):
+        spec(8)
+
+
+def test_kv_cache_dtype_supported():
+    r = only(EngineConfig(kv_cache_dtype="fp16"))
+    assert r.rule == "kv_cache_dtype_supported"
+    assert r.reason == ("fp16 is not a value of the kv_dtype axis of qsa_kv_append, which allows "
+                        "['bfloat16', 'fp8', 'nvfp4'] (and 1 more op(s))")
+
+
+def test_model_dtype_supported():
+    r = only(EngineConfig(model_dtype="fp16"))
+    assert r.rule == "model_dtype_supported"
+    assert r.reason.startswith("fp16 is not a value of the act_dtype axis of kv_fp8, which allows "
+                               "['bfloat16'] (and ")
+
+
+def test_moe_backend_supported():
+    r = only(EngineConfig(moe_backend="trtllm"))
+    assert r.rule == "moe_backend_supported"
+    assert r.reason == "moe_backend 'trtllm' has no kernels in this project; supported: ['torch']"
+
+
+def test_state_dtype_fp16_refused():
+    r = only(EngineConfig(state_dtype="fp16"))
+    assert r.rule == "state_dtype_supported"
+    assert r.reason == ("fp16 recurrent state is refused: the GDN state is stored in fp32 or bf16 only "
+                        "(MATH.md), and no cell certifies an fp16 state pool")
+
+
+def test_static_draft_length():
+    r = only(EngineConfig(speculative=spec(3, dynamic_draft_length=True)))
+    assert r.rule == "static_draft_length"
+    assert r.reason == ("dynamic_draft_length is refused: the draft length is fixed when the engine is "
+                        "built (state pools, verify widths and the certified cells depend on it)")
+
+
+def test_draft_length_within_model():
+    ctx = default_context(EngineConfig())
+    small = RuleContext(ctx.model.model_copy(update={"max_draft_len": 3}), ctx.catalog, ctx.arch)
+    r = only(EngineConfig(speculative=spec(5)), small)
+    assert r.rule == "draft_length_within_model"
+    assert r.reason == "draft_length 5 exceeds the target model's max_draft_len 3"
+
+
+def test_verify_width_bf16_state_k7_refused():
+    # the widest bf16 gdn_verify / rollback_commit cells hold draft length 3
+    assert check(EngineConfig(state_dtype="bf16", speculative=spec(3))) == []
+    r = only(EngineConfig(state_dtype="bf16", speculative=spec(7)))
+    assert r.rule == "verify_width_certified"
+    assert r.reason == (
+        "draft length 7 needs a cell of gdn_verify's variant 'torch' on cpu with rows >= 8 with "
+        "state_dtype bfloat16; none is certified; draft length 7 needs a cell of rollback_commit's "
+        "variant 'spec_lowp' on cpu with draft >= 7 with state_dtype bfloat16; none is certified")
+
+
+def _without_cell(ctx: RuleContext, op_name: str, cell_id: str) -> RuleContext:
+    op = ctx.catalog.ops[op_name]
+    ops = dict(ctx.catalog.ops)
+    ops[op_name] = op.model_copy(update={"cells": tuple(c for c in op.cells if c.id != cell_id)})
+    return RuleContext(ctx.model, Catalog(ops=ops), ctx.arch)
+
+
+def test_verify_width_k7_needs_an_8_row_cell():
+    ctx = default_context(EngineConfig())
+    assert check(EngineConfig(speculative=spec(7)), ctx) == []
+    narrow = _without_cell(ctx, "gdn_verify", "r8_b2_fp32")
+    r = only(EngineConfig(speculative=spec(7)), narrow)
+    assert r.rule == "verify_width_certified"
+    assert r.reason == ("draft length 7 needs a cell of gdn_verify's variant 'torch' on cpu with "
+                        "rows >= 8 with state_dtype float32; none is certified")
+    assert check(EngineConfig(speculative=spec(3)), narrow) == []  # r4 cells still certify K = 3
+
+
+def test_verify_width_uses_the_dispatched_variant_on_the_arch():
+    ctx = default_context(EngineConfig())
+    interp = RuleContext(ctx.model, ctx.catalog, "cpu-interpret")
+    # on cpu-interpret gdn_verify dispatches triton_split; greedy_verify has no variant there
+    r = only(EngineConfig(speculative=spec(1)), interp)
+    assert r.rule == "verify_width_certified"
+    assert r.reason == ("greedy_verify: no variant runs on cpu-interpret; "
+                        "rollback_commit: no variant runs on cpu-interpret")
+
+
+def test_nvfp4_needs_chunked_prefill_block_reuse_or_speculation():
+    r = only(EngineConfig(kv_cache_dtype="nvfp4", enable_chunked_prefill=False))
+    assert r.rule == "nvfp4_kv_needs_chunked_prefill_block_reuse_or_speculation"
+    assert r.reason == "nvfp4 KV needs chunked prefill, block reuse or speculation; all three are off"
+    for ok in (dict(enable_chunked_prefill=True), dict(enable_block_reuse=True),
+               dict(speculative=spec(2))):
+        base = dict(kv_cache_dtype="nvfp4", enable_chunked_prefill=False)
+        assert check(EngineConfig(**{**base, **ok})) == []
+
+
+def test_max_batch_size_within_reach():
+    r = only(EngineConfig(max_batch_size=129, max_num_tokens=16384))
+    assert r.rule == "max_batch_size_within_reach"
+    assert r.reason == "max_batch_size 129 exceeds the batch reach of acceptance_length (128)"
+
+
+def test_max_seq_len_within_reach():
+    r = only(EngineConfig(max_seq_len=131073))
+    assert r.rule == "max_seq_len_within_reach"
+    assert r.reason == "max_seq_len 131073 exceeds the context reach of qk_norm_rope (131072)"
+
+
+def test_token_budget_holds_a_step():
+    r = only(EngineConfig(max_batch_size=8, max_num_tokens=31, speculative=spec(3)))
+    assert r.rule == "token_budget_holds_a_step"
+    assert r.reason == ("max_num_tokens 31 cannot hold one full generation step: "
+                        "max_batch_size 8 x 4 row(s) = 32")
+
+
+def test_every_refusal_listed_before_anything_is_built():
+    c = EngineConfig(state_dtype="fp16", moe_backend="cutedsl", kv_cache_dtype="nvfp4",
+                     enable_chunked_prefill=False)
+    with pytest.raises(ConfigRefused) as e:
+        route(c)
+    assert [r.rule for r in e.value.refusals] == [
+        "moe_backend_supported", "state_dtype_supported",
+        "nvfp4_kv_needs_chunked_prefill_block_reuse_or_speculation"]
+    for r in e.value.refusals:
+        assert r.rule in str(e.value)
+
+
+def test_explain_accepted_lists_variant_per_op():
+    c = EngineConfig(model="tiny", speculative=spec(3))
+    ctx = default_context(c)
+    text = explain(c, ctx, receipts={})
+    assert "ACCEPTED" in text
+    assert "[FAIL]" not in text
+    for name in ctx.catalog.ops:
+        assert f"\n  {name}: " in text
+    assert ("  gdn_verify: torch (dispatch at {'batch': 8, 'state_dtype': 'float32', 'rows': 4}); "
+            "NOT certified receipt at 0/4 cell(s) on cpu") in text
+    assert "  gdn_verify: certified by gdn_verify::torch::r4_b16_fp32 (rows=4)" in text
+    no_spec = explain(EngineConfig(model="tiny"), ctx, receipts={})
+    assert "  gdn_verify: not run (speculation off)" in no_spec
+
+
+def test_explain_refused_names_rules():
+    text = explain(EngineConfig(state_dtype="fp16"), receipts={})
+    assert "REFUSED by 1 rule(s): state_dtype_supported" in text
+    assert "[FAIL] state_dtype_supported" in text
+    assert "variants on" not in text
+
+
+def test_cli_exit_codes(capsys):
+    assert cli.main(["explain", "--preset", "tiny", "--draft-length", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "ACCEPTED" in out and "gdn_decode: torch" in out
+    assert cli.main(["explain", "--preset", "tiny", "--kv-dtype", "nvfp4", "--state-dtype", "fp16",
+                     "--no-chunked-prefill"]) == 2
+    out = capsys.readouterr().out
+    assert "nvfp4_kv_needs_chunked_prefill_block_reuse_or_speculation" in out
+    assert cli.main(["explain", "--draft-length", "8"]) == 2
+    assert "draft_length: Input should be less than or equal to 7" in capsys.readouterr().out
