@@ -58,22 +58,24 @@ Decisions where MATH.md is silent (pinned in tests/spec/test_model.py)
   float64, while fp8 / nvfp4 always quantise. Index keys and block keys are stored in the activation
   dtype (bf16 in deployment, as MATH.md states). nvfp4 KV global scales are per layer and K / V, part
   of the weights (``QSAWeights.k_gs`` / ``v_gs``).
-- GDN state storage ``state_dtype`` (fp32 or bf16; float64 in reference mode). A step where every
-  participating sequence brings one token runs the decode ops (``causal_conv1d_update``,
-  ``gdn_decode`` over the state pool); any other step runs each sequence through ``causal_conv1d`` and
+- GDN state storage ``state_dtype`` (fp32 or bf16; float64 in reference mode). The GDN path is chosen
+  per sequence, never per step, so a sequence's result does not depend on what the others bring: a
+  sequence with one new token runs the decode ops (``causal_conv1d_update``, ``gdn_decode`` over the
+  state pool, batched over every such sequence); a sequence with more runs ``causal_conv1d`` and
   ``gdn_prefill``. gdn_prefill takes an fp32 state, so a bf16 state is widened, and the final state is
-  rounded to bf16 once when stored (the decode op rounds after every row instead).
+  rounded to bf16 once when stored (the decode op rounds after every row instead). A verify step
+  (``forward(..., verify=True)``, the K+1 rows of MTP verification) runs ``causal_conv1d`` and
+  ``gdn_verify`` instead: the state is stored after every row in its storage dtype, exactly as K+1
+  decode steps store it, so verification and plain decoding compute the same rows.
 - Host-side bookkeeping lives on the CPU whatever the model's device: block tables, lengths, the
   position plane and the block-key valid flags (qsa.py reads the flags with Python ``bool``), and the PLE
   histories. Token ids are given on the CPU.
 - Pages: sequence s's logical block b lives at page ``P - 1 - (b * B + s)`` (P pages, B sequences):
   interleaved and descending, so no page index equals a block index by accident.
 - Batch composition: the model calls each op once for all rows of a step (the shapes an engine and the
-  reach tracer see), except where the op is per request (PLE embedding, GDN prefill). Every op it calls
-  is row-wise except two that multiply all rows with one plain ``@`` (``hc_first_projection``,
-  ``ple_apply``), whose per-row result can depend on the row count on CPU BLAS: a sequence's float64
-  logits then move by ~1e-15 with the batch around it (pinned to 1e-12; bitwise once those two ops
-  multiply row by row, which test_batch_composition_is_bitwise, an xfail, watches for).
+  reach tracer see), except where the op is per request (PLE embedding, GDN prefill). Every op is
+  row-wise (``rowwise_matmul``, per-row or per-request loops), so a sequence's logits do not depend on
+  the batch around it, bit for bit (test_batch_composition_is_bitwise).
 
 Meta tensors (device='meta')
 ----------------------------
@@ -100,7 +102,7 @@ import torch.nn.functional as F
 
 from spec.config import ModelConfig
 from spec.numerics import acc_dtype, is_reference_mode, out_cast
-from spec.ops.gdn import causal_conv1d, causal_conv1d_update, gdn_decode, gdn_prefill
+from spec.ops.gdn import causal_conv1d, causal_conv1d_update, gdn_decode, gdn_prefill, gdn_verify
 from spec.ops.hc import hc_first_projection, hc_inject_norm, hc_pre, hc_up_projection
 from spec.ops.kv_storage import (
     FP8_DTYPE,
@@ -570,18 +572,24 @@ class _Step:
     positions: torch.Tensor
     context_lens: torch.Tensor
     spans: list[tuple[int, int, int]]
+    verify: bool = False
 
     @property
     def rows(self) -> int:
         return self.seq_ids.shape[0]
 
-    @property
-    def is_decode(self) -> bool:
-        """Every participating sequence brings exactly one row: the decode ops run."""
-        return all(hi - lo == 1 for _, lo, hi in self.spans)
+    def gdn_groups(self) -> tuple[list[tuple[int, int, int]], list[tuple[int, int, int]],
+                                  list[tuple[int, int, int]]]:
+        """The spans split by GDN path: (decode: one row, verify: a verify step's rows, prefill: the
+        rest). The choice is per sequence, so it never depends on the other sequences of the step."""
+        if self.verify:
+            return [], list(self.spans), []
+        decode = [sp for sp in self.spans if sp[2] - sp[1] == 1]
+        prefill = [sp for sp in self.spans if sp[2] - sp[1] > 1]
+        return decode, [], prefill
 
 
-def _plan(counts: list[int], start: list[int], max_len: int) -> _Step:
+def _plan(counts: list[int], start: list[int], max_len: int, verify: bool = False) -> _Step:
     seq_ids, positions, ctx, spans, row = [], [], [], [], 0
     for s, (t, l0) in enumerate(zip(counts, start)):
         if t == 0:
@@ -594,7 +602,9 @@ def _plan(counts: list[int], start: list[int], max_len: int) -> _Step:
         spans.append((s, row, row + t))
         row += t
     as_long = lambda v: torch.tensor(v, dtype=torch.int64, device=CPU)  # noqa: E731
-    return _Step(as_long(seq_ids), as_long(positions), as_long(ctx), spans)
+    if verify and len({hi - lo for _, lo, hi in spans}) > 1:
+        raise ValueError("a verify step brings the same number of rows (K + 1) for every sequence")
+    return _Step(as_long(seq_ids), as_long(positions), as_long(ctx), spans, verify)
 
 
 def _as_rows(x: torch.Tensor | Sequence[torch.Tensor], batch: int, what: str
@@ -657,29 +667,45 @@ def _gdn_mixer(u: torch.Tensor, w: GDNWeights, lc: GDNLayerCache, cfg: ModelConf
         return (y[:, :hk * dk].view(M, hk, dk), y[:, hk * dk:2 * hk * dk].view(M, hk, dk),
                 y[:, 2 * hk * dk:].view(M, hv, dv))
 
-    if step.is_decode:
-        slots = torch.tensor([s for s, _, _ in step.spans], dtype=torch.int64, device=CPU)
-        y, conv = causal_conv1d_update(mixed, w.conv_w, lc.conv[slots])
+    out = torch.empty(N, hv, dv, dtype=act, device=u.device)
+    decode, verify, prefill = step.gdn_groups()
+    if decode:
+        rows = torch.tensor([lo for _, lo, _ in decode], dtype=torch.int64, device=u.device)
+        slots = torch.tensor([s for s, _, _ in decode], dtype=torch.int64, device=CPU)
+        y, conv = causal_conv1d_update(mixed[rows], w.conv_w, lc.conv[slots])
         lc.conv = lc.conv.clone()
         lc.conv[slots] = conv
         q, k, v = split(y)
-        res = gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, z, w.norm_w, lc.state, slots)
+        res = gdn_decode(q, k, v, a[rows], b[rows], w.A_log, w.dt_bias, z[rows], w.norm_w, lc.state,
+                         slots)
         lc.state = res["state_pool"].to(lc.state.dtype)
-        out = res["out"]
-    else:
-        outs = []
+        out[rows] = res["out"]
+    if verify:
+        T = verify[0][2] - verify[0][1]
+        slots = torch.tensor([s for s, _, _ in verify], dtype=torch.int64, device=CPU)
+        rows = torch.cat([torch.arange(lo, hi) for _, lo, hi in verify]).to(u.device)
+        y, conv = causal_conv1d(mixed[rows].view(len(verify), T, -1), w.conv_w, lc.conv[slots])
+        lc.conv = lc.conv.clone()
+        lc.conv[slots] = conv
+        q, k, v = split(y.reshape(len(verify) * T, -1))
+        shape = lambda x: x.reshape(len(verify), T, *x.shape[1:])  # noqa: E731
+        res = gdn_verify(shape(q), shape(k), shape(v), shape(a[rows]), shape(b[rows]), w.A_log,
+                         w.dt_bias, shape(z[rows]), w.norm_w, lc.state, slots)
+        lc.state = lc.state.clone()
+        lc.state[slots] = res["states"][:, -1].to(lc.state.dtype)
+        out[rows] = res["out"].reshape(len(verify) * T, hv, dv)
+    if prefill:
         state, conv_all = lc.state.clone(), lc.conv.clone()
         acc = acc_dtype(u, w.conv_w)
-        for s, lo, hi in step.spans:
+        for s, lo, hi in prefill:
             y, conv = causal_conv1d(mixed[None, lo:hi], w.conv_w, conv_all[s:s + 1])
             conv_all[s] = conv[0]
             q, k, v = split(y[0])
             res = gdn_prefill(q[None], k[None], v[None], a[None, lo:hi], b[None, lo:hi], w.A_log,
                               w.dt_bias, z[None, lo:hi], w.norm_w, state[s:s + 1].to(acc))
             state[s] = res["final_state"][0].to(state.dtype)
-            outs.append(res["out"][0])
+            out[lo:hi] = res["out"][0]
         lc.state, lc.conv = state, conv_all
-        out = torch.cat(outs)
     return _linear(out.reshape(N, hv * dv).to(act), w.out_proj, act)
 
 
@@ -838,7 +864,7 @@ def _check(weights: Weights, cfg: ModelConfig, cache: ModelCache) -> None:
 # ===================================================================================================
 
 def forward(weights: Weights, cfg: ModelConfig, tokens: torch.Tensor | Sequence[torch.Tensor],
-            cache: ModelCache, *, return_hidden: bool = False):
+            cache: ModelCache, *, return_hidden: bool = False, verify: bool = False):
     """Run the trunk over one step's new tokens and return their logits; updates ``cache`` in place.
 
     tokens: int64 on the CPU, either [B, T] (every sequence brings T tokens) or a list of B tensors
@@ -846,12 +872,14 @@ def forward(weights: Weights, cfg: ModelConfig, tokens: torch.Tensor | Sequence[
     mix. Token i of sequence s sits at position ``cache.lengths[s] + i``.
     Returns logits [B, T, V] (or a list of [T_s, V]) in fp32 for a bf16 or fp32 model, float64 for a
     float64 one; with ``return_hidden``, also the final stream mean m [.., C] of every row (the
-    ``h_prev`` of ``mtp_draft``), in the accumulation dtype.
+    ``h_prev`` of ``mtp_draft``), in the accumulation dtype. ``verify``: the step is an MTP verify
+    step (every participating sequence brings the same K+1 rows; the GDN layers run ``gdn_verify``,
+    see the module docstring); the cache then holds all K+1 rows, as if every draft were accepted.
     """
     _check(weights, cfg, cache)
     seqs, stacked = _as_rows(tokens, cache.batch, "tokens")
     seqs = [t.to(device=CPU, dtype=torch.int64).reshape(-1) for t in seqs]
-    step = _plan([t.numel() for t in seqs], cache.lengths, cache.max_len)
+    step = _plan([t.numel() for t in seqs], cache.lengths, cache.max_len, verify)
     act, dev = weights.dtype, weights.device
     V, N = cfg.vocab_size, step.rows
     if N == 0:

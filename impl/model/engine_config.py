@@ -105,6 +105,7 @@ class EngineConfig(BaseModel):
     enable_chunked_prefill: bool = True
     enable_block_reuse: bool = False
     speculative: SpeculativeConfig | None = None
+    batch_invariant: bool = False
 
     def model_geometry(self) -> ModelConfig:
         return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
@@ -249,7 +250,8 @@ def choose_variant(c: EngineConfig, op: OpFile, arch: str) -> Choice:
     rule that reads an axis the config does not fix (e.g. seq_len) is decided per step: then the first
     variant runnable on the arch is listed, with the axes that decide."""
     axes = _config_axes(c, op)
-    runnable = [v for v in op.variants if arch in v.archs]
+    runnable = [v for v in op.variants
+                if arch in v.archs and (v.impl == "spec" or not c.batch_invariant)]
     if not runnable:
         return Choice(op.op, None, axes, "none", f"no variant runs on {arch}")
     for v in runnable:
@@ -336,6 +338,18 @@ def _context_reach(c: EngineConfig, ctx: RuleContext) -> str | None:
     return f"max_seq_len {c.max_seq_len} exceeds the context reach of {r[0]} ({r[1]})"
 
 
+def _batch_invariant(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if not c.batch_invariant:
+        return None
+    missing = sorted(n for n, op in ctx.catalog.ops.items() if _op_runs(c, n)
+                     and not any(v.impl == "spec" and ctx.arch in v.archs for v in op.variants))
+    if not missing:
+        return None
+    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+    return (f"batch-invariant mode runs every op's reference variant (impl: spec); {missing[0]}"
+            f"{more} has none that runs on {ctx.arch}")
+
+
 def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
     rows = c.speculative.draft_length + 1 if c.speculative is not None else 1
     need = c.max_batch_size * rows
@@ -370,6 +384,9 @@ RULES: list[Rule] = [
          "max_batch_size lies within every batch axis reach of the catalog.", _batch_reach),
     Rule("max_seq_len_within_reach",
          "max_seq_len lies within every context axis reach of the catalog.", _context_reach),
+    Rule("batch_invariant_needs_reference_variants",
+         "In batch-invariant mode every op the engine runs has a reference variant (impl: spec) on "
+         "the arch.", _batch_invariant),
     Rule("token_budget_holds_a_step",
          "max_num_tokens holds one generation step of max_batch_size requests (K + 1 rows each with "
          "speculation).", _token_budget),
@@ -437,7 +454,8 @@ def _fmt_config(c: EngineConfig) -> str:
             f"state_dtype={c.state_dtype} moe_backend={c.moe_backend} "
             f"max_batch_size={c.max_batch_size} max_num_tokens={c.max_num_tokens} "
             f"max_seq_len={c.max_seq_len} chunked_prefill={c.enable_chunked_prefill} "
-            f"block_reuse={c.enable_block_reuse} speculative={spec}")
+            f"block_reuse={c.enable_block_reuse} speculative={spec} "
+            f"batch_invariant={c.batch_invariant}")
 
 
 def explain(config: EngineConfig, ctx: RuleContext | None = None,

@@ -44,10 +44,18 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     a, b [..., HV] activation dtype; A_log, dt_bias [HV] fp32. Returns (g, beta) in the acc dtype.
     """
     acc = acc_dtype(a, b, A_log, dt_bias)
-    g = -torch.exp(A_log.to(acc)) * F.softplus(a.to(acc) + dt_bias.to(acc), beta=1.0,
-                                                threshold=SOFTPLUS_THRESHOLD)
-    beta = torch.sigmoid(b.to(acc))
-    return g, beta
+    hv = a.shape[-1]
+    neg_A = -torch.exp(A_log.to(acc))
+    a_rows, b_rows = a.to(acc).reshape(-1, hv), b.to(acc).reshape(-1, hv)
+    g, beta = torch.empty_like(a_rows), torch.empty_like(b_rows)
+    # One row (one token's heads) per call: CPU kernels finish a tensor's last partial SIMD vector
+    # with scalar code, so an element's rounding would otherwise depend on its position in the
+    # launch, i.e. on how many rows share it (rows of 6 heads at the tiny geometry do).
+    for r in range(a_rows.shape[0]):
+        g[r] = neg_A * F.softplus(a_rows[r] + dt_bias.to(acc), beta=1.0,
+                                  threshold=SOFTPLUS_THRESHOLD)
+        beta[r] = torch.sigmoid(b_rows[r])
+    return g.view(a.shape), beta.view(b.shape)
 
 
 # ---------------------------------------------------------------- causal conv

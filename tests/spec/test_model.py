@@ -286,3 +286,43 @@ def test_cache_limits_are_checked(w32: Weights) -> None:
     with pytest.raises(ValueError, match="dtype"):
         forward(w32, TINY, _tokens(13, 2, 4), _cache(2))
     assert cache.lengths == [0, 0]
+
+
+# ---------------------------------------------------------------- verify steps and mixed steps
+
+
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_equal_decode_steps_bitwise(state_dtype: torch.dtype) -> None:
+    """MATH.md's speculative oracle at model level: a verify step of K+1 rows computes, bit for bit,
+    what K+1 decode steps compute (logits, GDN state, conv window), in the deployment dtype (bf16)."""
+    w = init_weights(TINY, seed=0, dtype=torch.bfloat16)
+    toks = _tokens(7, 2, 26)
+    kw = dict(dtype=torch.bfloat16, kv_dtype="bf16", state_dtype=state_dtype)
+    a, b = _cache(2, **kw), _cache(2, **kw)
+    forward(w, TINY, toks[:, :21], a)
+    forward(w, TINY, toks[:, :21], b)
+    verified = forward(w, TINY, toks[:, 21:], a, verify=True)
+    decoded = torch.cat([forward(w, TINY, toks[:, i:i + 1], b) for i in range(21, 26)], dim=1)
+    assert torch.equal(verified, decoded)
+    assert torch.equal(a.layers[0].state, b.layers[0].state)
+    assert torch.equal(a.layers[0].conv, b.layers[0].conv)
+
+
+def test_verify_steps_need_equal_rows() -> None:
+    w = init_weights(TINY, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="same number of rows"):
+        forward(w, TINY, [_tokens(1, 3), _tokens(2, 2)], _cache(2, dtype=torch.float32), verify=True)
+
+
+def test_mixed_step_decode_row_equals_decode_alone() -> None:
+    """The GDN path is chosen per sequence: a decode row riding in a step with a prefill chunk of
+    another sequence gives, bit for bit, what it gives in a decode-only step."""
+    w = init_weights(TINY, seed=0, dtype=torch.bfloat16)
+    toks, other = _tokens(8, 30), _tokens(9, 12)
+    kw = dict(dtype=torch.bfloat16, kv_dtype="bf16")
+    mixed, alone = _cache(2, **kw), _cache(2, **kw)
+    forward(w, TINY, [toks[:29], other[:1]], mixed)
+    forward(w, TINY, [toks[:29], other[:1]], alone)
+    got = forward(w, TINY, [toks[29:], other[1:]], mixed)[0]
+    want = forward(w, TINY, [toks[29:], other[:0]], alone)[0]
+    assert torch.equal(got, want)

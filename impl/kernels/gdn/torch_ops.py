@@ -15,8 +15,17 @@ NORM_EPS = 1e-6
 
 
 def _gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor):
-    g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float(), threshold=20.0)
-    return g, torch.sigmoid(b.float())
+    """One token's heads per call: a whole-tensor launch finishes its last partial SIMD vector (and
+    each thread's chunk) in scalar code on the CPU, so a gate's last bit would depend on how many
+    tokens share the launch (measured: 2.7% of g differ by an ulp at 4096 x 48)."""
+    hv = a.shape[-1]
+    a_rows, b_rows = a.float().reshape(-1, hv), b.float().reshape(-1, hv)
+    neg_a, dtb = -A_log.float().exp(), dt_bias.float()
+    g, beta = torch.empty_like(a_rows), torch.empty_like(b_rows)
+    for r in range(a_rows.shape[0]):
+        g[r] = neg_a * F.softplus(a_rows[r] + dtb, threshold=20.0)
+        beta[r] = torch.sigmoid(b_rows[r])
+    return g.view(a.shape), beta.view(b.shape)
 
 
 def _l2n(x: torch.Tensor) -> torch.Tensor:

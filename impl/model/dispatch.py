@@ -1,0 +1,110 @@
+"""One dispatch mechanism for every op the engine runs: the variant rules of the cell files.
+
+The engine never names a kernel. For each op call it states the op and the call's axis values (the
+same axes the op's cell file declares: ``batch``, ``rows``, ``seq_len``, ``state_dtype`` ...), and
+``Dispatcher.choose`` returns the first variant, in file order, that runs on the runtime arch and whose
+``dispatch`` rule accepts those values: the rule certification reads to know which cells a variant
+serves, so what runs and what is certified cannot disagree. Every choice is counted (``ran``) and, when
+tracing, recorded with its axes (``trace``), so a forward always knows which variant of each op it ran.
+
+Batch-invariant mode restricts the choice to the ops' reference variants (``impl: spec``, the spec's
+own low-precision path): MATH.md states the spec path is batch-invariant by construction (row-wise math
+with a fixed reduction order), so in that mode a row's result cannot depend on the rows sharing its
+launch, and the engine's logits equal spec/model.py's bit for bit. A fast variant enters that mode only
+by becoming the reference, never by assumption.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from certify.catalog import Catalog
+from certify.harness import resolve
+from certify.rules import RuleError, evaluate
+from certify.schema import OpFile, Variant
+
+
+@dataclass(frozen=True)
+class OpCall:
+    """One op call of a forward: the variant that ran and the axis values it ran at."""
+
+    op: str
+    variant: str
+    axes: tuple[tuple[str, Any], ...]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"op": self.op, "variant": self.variant, "axes": dict(self.axes)}
+
+
+class DispatchError(RuntimeError):
+    """No variant of an op can run a call (unknown op, no variant on the arch, no rule accepts)."""
+
+
+class Dispatcher:
+    """Chooses each op call's variant from the catalog; counts and optionally traces the choices."""
+
+    def __init__(self, catalog: Catalog, arch: str, *, batch_invariant: bool = False):
+        self.catalog = catalog
+        self.arch = arch
+        self.batch_invariant = batch_invariant
+        self.ran: Counter[tuple[str, str]] = Counter()
+        self.trace: list[OpCall] | None = None
+        self._impls: dict[tuple[str, str], Callable] = {}
+
+    def start_trace(self) -> None:
+        self.trace = []
+
+    def stop_trace(self) -> list[OpCall]:
+        trace, self.trace = self.trace or [], None
+        return trace
+
+    def op(self, name: str) -> OpFile:
+        try:
+            return self.catalog.ops[name]
+        except KeyError:
+            raise DispatchError(f"op {name!r} has no cell file in the catalog") from None
+
+    def candidates(self, name: str) -> list[Variant]:
+        """The variants of ``name`` this dispatcher may choose, in file order."""
+        runnable = [v for v in self.op(name).variants if self.arch in v.archs]
+        if self.batch_invariant:
+            runnable = [v for v in runnable if v.impl == "spec"]
+        return runnable
+
+    def choose(self, name: str, **axes: Any) -> Variant:
+        """The variant that runs this call. ``axes`` may hold more names than the op declares (the
+        caller passes the step's context); only the op's own axes are read and recorded."""
+        op = self.op(name)
+        own = {k: v for k, v in axes.items() if k in op.axes}
+        runnable = self.candidates(name)
+        if not runnable:
+            mode = " in batch-invariant mode (no reference variant)" if self.batch_invariant else ""
+            raise DispatchError(f"{name}: no variant runs on {self.arch}{mode}")
+        for variant in runnable:
+            try:
+                accepted = evaluate(variant.dispatch, own)
+            except RuleError as err:
+                raise DispatchError(f"{name}: variant {variant.name!r}'s rule {variant.dispatch!r} "
+                                    f"cannot be decided from the call's axes {own}: {err}") from None
+            if accepted:
+                self.ran[(name, variant.name)] += 1
+                if self.trace is not None:
+                    self.trace.append(OpCall(name, variant.name, tuple(sorted(own.items()))))
+                return variant
+        raise DispatchError(f"{name}: no variant's rule accepts {own} on {self.arch}")
+
+    def impl(self, name: str, variant: Variant) -> Callable:
+        """The callable of a non-reference variant (its ``impl`` path), resolved once."""
+        key = (name, variant.name)
+        if key not in self._impls:
+            self._impls[key] = resolve(variant.impl)
+        return self._impls[key]
+
+    def variants_ran(self) -> dict[str, list[str]]:
+        """op -> the variants that ran (sorted), over this dispatcher's life."""
+        out: dict[str, set[str]] = {}
+        for op, variant in self.ran:
+            out.setdefault(op, set()).add(variant)
+        return {op: sorted(vs) for op, vs in sorted(out.items())}

@@ -1,0 +1,417 @@
+"""The engine: requests and slots, step scheduling, chunked prefill, MTP speculation with rollback.
+
+``Engine(config, weights)`` refuses an unsupported configuration before building anything (the rules of
+``engine_config``), then allocates the slots, the page pool and the state pools. ``generate(requests)``
+admits each request on its own (a bad one is reported and the others run), then steps until every
+admitted request is done and returns, per request, its tokens and statistics.
+
+Scheduling (deterministic: the same requests give the same steps):
+- A waiting request takes the lowest free slot, in arrival order.
+- Without speculation a step holds one decode row for every request past its prompt, then chunks of
+  the prompts still being read, in arrival order, up to ``max_num_tokens`` rows (a **mixed** step
+  when both kinds are present). A chunk ends at the budget or the prompt's end; without chunked
+  prefill a prompt is only scheduled whole.
+- With speculation (draft length K) a step is either a **context** step (prompt chunks only) or a
+  **verify** step (K+1 rows for every request past its prompt): while a prompt is being read the
+  verifying requests wait, so every verify step has the shape the verify cells certify.
+- After a context chunk the draft layer reads the chunk's rows (h_t, x_{t+1}); at the end of a
+  prompt it drafts d_1..d_K. After a verify step: greedy acceptance (``greedy_verify``), commit of the
+  accepted row (``rollback_commit``: GDN state, conv window, PLE history; the KV, index and block-key
+  planes truncated), the draft layer's speculative rows rolled back, then it reads the accepted rows
+  and drafts again.
+
+Greedy decoding only (admission refuses sampling). The per-step logits of every model pass can be
+logged (``log_calls``) so a test can replay the same passes through spec/model.py.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import torch
+
+from certify.archs import runtime_arch
+from impl.model.admission import Request, RequestRejected, admit, validate_request
+from impl.model.cache import EngineCache, GDNPool, truncate_planes
+from impl.model.dispatch import Dispatcher
+from impl.model.engine_config import EngineConfig, RoutePlan, default_context, route
+from impl.model.model import Model, Span, StepOutput, StepRows
+from impl.model.ops import DTYPE_NAME, Ops
+from spec.config import ModelConfig
+from spec.model import Weights
+from spec.ops.mtp import acceptance_length, greedy_argmax
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+
+
+@dataclass
+class Sequence:
+    """A request while it runs."""
+
+    request: Request
+    arrival: int
+    slot: int | None = None
+    prompt_done: int = 0                 # prompt tokens the trunk has stored
+    output: list[int] = field(default_factory=list)
+    pending: int | None = None           # emitted, not yet stored by the trunk
+    drafts: list[int] = field(default_factory=list)
+    draft_hidden: torch.Tensor | None = None
+    accepted: list[int] = field(default_factory=list)   # num_accepted per verify step
+    done: bool = False
+
+    @property
+    def prompt(self) -> tuple[int, ...]:
+        return self.request.prompt
+
+    @property
+    def in_prompt(self) -> bool:
+        return self.prompt_done < len(self.prompt)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    tokens: list[int] = field(default_factory=list)
+    error: str | None = None
+    num_accepted: list[int] = field(default_factory=list)
+
+    @property
+    def acceptance_length(self) -> float | None:
+        return acceptance_length(self.num_accepted) if self.num_accepted else None
+
+
+@dataclass
+class GenerationReport:
+    results: dict[str, GenerationResult]
+    steps: int
+    generated_tokens: int
+    seconds: float
+    step_kinds: dict[str, int]
+    variants: dict[str, list[str]]
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.generated_tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def acceptance_length(self) -> float | None:
+        counts = [n for r in self.results.values() for n in r.num_accepted]
+        return acceptance_length(counts) if counts else None
+
+
+@dataclass
+class ModelCall:
+    """One logged model pass: which requests, at which positions, with which inputs and outputs."""
+
+    kind: str                            # "trunk" | "draft" | "commit"
+    spans: list[tuple[str, int, list[int], str]]   # (request id, start, token ids, mode)
+    logits: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    h_prev: torch.Tensor | None = None
+    accepted: dict[str, int] | None = None        # commit: request id -> num_accepted
+
+
+class Engine:
+    """Serves greedy generation for one model and one ``EngineConfig``."""
+
+    def __init__(self, config: EngineConfig, weights: Weights, *, cfg: ModelConfig | None = None,
+                 plan: RoutePlan | None = None, log_calls: bool = False):
+        ctx = default_context(config)
+        self.plan = plan or route(config, ctx)          # refuses before anything is built
+        self.config = config
+        self.cfg = cfg or config.model_geometry()
+        if tuple(weights.embed.shape) != (self.cfg.vocab_size, self.cfg.hidden):
+            raise ValueError(f"weights do not match the {config.model} geometry")
+        want = _DTYPES[config.model_dtype]
+        if weights.dtype != want:
+            raise ValueError(f"weights are {weights.dtype}; the configuration's model_dtype is "
+                             f"{config.model_dtype}")
+        self.weights = weights
+        self.k = config.speculative.draft_length if config.speculative else 0
+        if self.k and weights.mtp is None:
+            raise ValueError("speculation needs the MTP draft layer's weights")
+        self.dispatcher = Dispatcher(ctx.catalog, runtime_arch(),
+                                     batch_invariant=config.batch_invariant)
+        self.model = Model(weights, self.cfg, Ops(self.dispatcher))
+        state_dtype = _DTYPES[config.state_dtype]
+        self.cache = EngineCache.allocate(
+            self.cfg, config.max_batch_size, config.max_seq_len + self.k + 1, weights.dtype,
+            config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
+        self.waiting: list[Sequence] = []
+        self.running: dict[int, Sequence] = {}   # slot -> sequence
+        self.finished: list[Sequence] = []
+        self.steps = 0
+        self.step_kinds: dict[str, int] = {}
+        self._arrivals = 0
+        self.calls: list[ModelCall] | None = [] if log_calls else None
+        self.force_accept: Callable[[str, int], int] | None = None
+
+    # ------------------------------------------------------------------ requests
+
+    def submit(self, request: Request) -> None:
+        """Queue one request; ``RequestRejected`` (and nothing changes) if it is invalid."""
+        validate_request(request, self.cfg, self.config)
+        ids = {s.request.request_id for s in [*self.waiting, *self.running.values()]}
+        if request.request_id in ids:
+            raise RequestRejected(request.request_id, "request_id", "is already being served")
+        self.waiting.append(Sequence(request, self._arrivals))
+        self._arrivals += 1
+
+    @property
+    def idle(self) -> bool:
+        return not self.waiting and not self.running
+
+    def _admit_waiting(self) -> None:
+        free = [s for s in range(self.config.max_batch_size) if s not in self.running]
+        while self.waiting and free:
+            seq = self.waiting.pop(0)
+            seq.slot = free.pop(0)
+            self.cache.assign(seq.slot)
+            self.running[seq.slot] = seq
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _schedule(self) -> list[tuple[Sequence, str, int]]:
+        """(sequence, mode, rows) for the next step, in row order."""
+        order = sorted(self.running.values(), key=lambda s: s.arrival)
+        budget = self.config.max_num_tokens
+        plan: list[tuple[Sequence, str, int]] = []
+        prompting = [s for s in order if s.in_prompt]
+        if self.k and not prompting:
+            return [(s, "verify", self.k + 1) for s in order]
+        if not self.k:
+            for s in order:
+                if not s.in_prompt:
+                    plan.append((s, "decode", 1))
+                    budget -= 1
+        for s in prompting:
+            left = len(s.prompt) - s.prompt_done
+            if not self.config.enable_chunked_prefill:
+                if left > budget:
+                    continue
+                n = left
+            else:
+                n = min(left, budget)
+            if n <= 0:
+                break
+            plan.append((s, "prefill", n))
+            budget -= n
+        return plan
+
+    # ------------------------------------------------------------------ one step
+
+    def step(self) -> dict[str, list[int]]:
+        """Run one step; returns the tokens each request emitted in it."""
+        self._admit_waiting()
+        plan = self._schedule()
+        if not plan:
+            return {}
+        spans, ids, row = [], [], 0
+        for seq, mode, n in plan:
+            start = self.cache.lengths[seq.slot]
+            if mode == "prefill":
+                toks = list(seq.prompt[seq.prompt_done:seq.prompt_done + n])
+            elif mode == "decode":
+                toks = [seq.pending]
+            else:
+                toks = [seq.pending, *seq.drafts]
+            # A 1-token prompt chunk is a decode row for the GDN layers (same function, per row).
+            gdn_mode = "decode" if (mode == "prefill" and n == 1) else mode
+            spans.append(Span(seq.slot, row, row + n, start, gdn_mode))
+            self.cache.ensure_pages(seq.slot, start + n)
+            ids += toks
+            row += n
+        rows = StepRows.build(spans)
+        kind = ("verify" if plan[0][1] == "verify" else
+                "mixed" if {m for _, m, _ in plan} == {"decode", "prefill"} else
+                "context" if plan[0][1] == "prefill" else "decode")
+        self.step_kinds[kind] = self.step_kinds.get(kind, 0) + 1
+        self.steps += 1
+        ids_t = torch.tensor(ids, dtype=torch.int64)
+        out = self.model.trunk(ids_t, rows, self.cache)
+        self._log("trunk", plan, spans, ids, out)
+        emitted = (self._after_verify(plan, spans, out) if kind == "verify"
+                   else self._after_trunk(plan, spans, out))
+        self._retire()
+        return emitted
+
+    def _log(self, kind, plan, spans, ids, out: StepOutput, h_prev=None) -> None:
+        if self.calls is None:
+            return
+        entries = [(seq.request.request_id, sp.start, ids[sp.lo:sp.hi], mode)
+                   for (seq, mode, _), sp in zip(plan, spans)]
+        self.calls.append(ModelCall(kind, entries, out.logits.detach().clone(),
+                                    out.hidden.detach().clone(),
+                                    None if h_prev is None else h_prev.detach().clone()))
+
+    def _emit(self, seq: Sequence, tokens: list[int], emitted: dict[str, list[int]]) -> None:
+        room = seq.request.max_new_tokens - len(seq.output)
+        tokens = tokens[:room]
+        seq.output += tokens
+        emitted.setdefault(seq.request.request_id, []).extend(tokens)
+        if len(seq.output) >= seq.request.max_new_tokens:
+            seq.done = True
+        elif tokens:
+            seq.pending = tokens[-1]
+
+    def _after_trunk(self, plan, spans, out: StepOutput) -> dict[str, list[int]]:
+        emitted: dict[str, list[int]] = {}
+        drafting: list[tuple[Sequence, Span, list[int]]] = []
+        for (seq, mode, n), sp in zip(plan, spans):
+            if mode == "prefill":
+                seq.prompt_done += n
+                if seq.in_prompt:
+                    if self.k:
+                        nxt = list(seq.prompt[sp.start + 1:sp.start + n + 1])
+                        drafting.append((seq, sp, nxt))
+                    continue
+            token = int(greedy_argmax(out.logits[sp.hi - 1]))
+            self._emit(seq, [token], emitted)
+            if self.k and not seq.done:
+                nxt = list(seq.prompt[sp.start + 1:sp.start + n]) + [token]
+                drafting.append((seq, sp, nxt))
+        if drafting:
+            self._draft(drafting, out.hidden)
+        return emitted
+
+    def _after_verify(self, plan, spans, out: StepOutput) -> dict[str, list[int]]:
+        emitted: dict[str, list[int]] = {}
+        K = self.k
+        R = len(plan)
+        logits = out.logits.view(R, K + 1, -1)
+        drafts = torch.tensor([seq.drafts for seq, _, _ in plan], dtype=torch.int64)
+        res = self.model.ops.greedy_verify(logits, drafts, torch.full((R,), K, dtype=torch.int64))
+        num_accepted = res.num_accepted.clone()
+        if self.force_accept is not None:
+            for r, (seq, _, _) in enumerate(plan):
+                num_accepted[r] = self.force_accept(seq.request.request_id, int(num_accepted[r]))
+        self._commit(plan, spans, out, num_accepted)
+        drafting = []
+        for r, ((seq, _, _), sp) in enumerate(zip(plan, spans)):
+            a = int(num_accepted[r]) - 1
+            seq.accepted.append(a + 1)
+            if a == int(res.num_accepted[r]) - 1:
+                toks = [int(t) for t in res.emitted[r, :a + 1]]
+            else:  # forced acceptance: keep drafts d_1..d_a and the trunk's prediction p_a
+                toks = list(seq.drafts[:a]) + [int(res.predictions[r, a])]
+            self._emit(seq, toks, emitted)
+            if not seq.done:
+                kept = Span(seq.slot, sp.lo, sp.lo + a + 1, sp.start, "prefill")
+                drafting.append((seq, kept, toks))
+        if self.calls is not None:
+            self.calls.append(ModelCall("commit", [(seq.request.request_id, sp.start, [], "verify")
+                                                   for (seq, _, _), sp in zip(plan, spans)],
+                                        accepted={seq.request.request_id: int(num_accepted[r])
+                                                  for r, (seq, _, _) in enumerate(plan)}))
+        if drafting:
+            self._draft(drafting, out.hidden)
+        return emitted
+
+    def _commit(self, plan, spans, out: StepOutput, num_accepted: torch.Tensor) -> None:
+        """Keep row num_accepted - 1 of every verified request (MATH.md, "Rollback / commit")."""
+        rec = out.record
+        slots = [seq.slot for seq, _, _ in plan]
+        for li, layer in enumerate(self.cache.layers):
+            if isinstance(layer, GDNPool):
+                states = torch.stack([rec.states[li][s] for s in slots])
+                windows = torch.stack([rec.windows[li][s] for s in slots])
+                kept = self.model.ops.rollback_commit(
+                    {"gdn_state": states, "conv_window": windows}, num_accepted,
+                    state_dtype=DTYPE_NAME[layer.state.dtype], value_heads=states.shape[2],
+                    head_dim=states.shape[-1], conv_channels=windows.shape[2])
+                idx = torch.tensor(slots, device=layer.state.device)
+                layer.state[idx] = kept["gdn_state"].to(layer.state.dtype)
+                layer.conv[idx] = kept["conv_window"].to(layer.conv.dtype)
+        hist = self.model.ops.rollback_commit(
+            {"h": torch.stack([rec.ple_history[s] for s in slots])}, num_accepted)
+        for r, (seq, _, _) in enumerate(plan):
+            slot, sp = seq.slot, spans[r]
+            keep = sp.start + int(num_accepted[r])
+            self.cache.ple_history[slot] = hist["h"][r]
+            for li in self.cache.qsa_indices():
+                self.cache.layers[li] = truncate_planes(self.cache.layers[li],
+                                                        self.cache.pages.block_table[slot], keep,
+                                                        sp.start + sp.rows)
+            self.cache.lengths[slot] = keep
+
+    def _draft(self, items: list[tuple[Sequence, Span, list[int]]], trunk_hidden: torch.Tensor
+               ) -> None:
+        """The draft layer reads rows (h_t, x_{t+1}) of the trunk, then drafts K tokens for every
+        request whose next token is known (its last row's next token is the emitted one)."""
+        cache = self.cache
+        spans, h_rows, ids, row = [], [], [], 0
+        for seq, sp, nxt in items:
+            slot = seq.slot
+            # Roll back the previous round's speculative draft rows (positions >= the trunk's start).
+            if cache.mtp_lengths[slot] > sp.start:
+                cache.mtp = truncate_planes(cache.mtp, cache.pages.block_table[slot], sp.start,
+                                            cache.mtp_lengths[slot])
+                cache.mtp_lengths[slot] = sp.start
+            n = sp.hi - sp.lo
+            spans.append(Span(slot, row, row + n, sp.start, "prefill"))
+            h_rows.append(trunk_hidden[sp.lo:sp.hi])
+            ids += nxt
+            row += n
+        plan = [(seq, "prefill", sp.hi - sp.lo) for seq, sp, _ in items]
+        h_prev = torch.cat(h_rows)
+        out = self.model.draft(h_prev, torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
+                               cache)
+        self._log("draft", plan, spans, ids, out, h_prev)
+        finishing = [(seq, sp) for (seq, _, _), sp in zip(items, spans)
+                     if not seq.in_prompt and not seq.done]
+        if not finishing:
+            return
+        for seq, sp in finishing:
+            seq.drafts = [int(greedy_argmax(out.logits[sp.hi - 1]))]
+            seq.draft_hidden = out.hidden[sp.hi - 1:sp.hi]
+        for _ in range(self.k - 1):
+            spans = [Span(seq.slot, j, j + 1, cache.mtp_lengths[seq.slot], "decode")
+                     for j, (seq, _) in enumerate(finishing)]
+            ids = [seq.drafts[-1] for seq, _ in finishing]
+            h_prev = torch.cat([seq.draft_hidden for seq, _ in finishing])
+            for seq, sp in zip((s for s, _ in finishing), spans):
+                cache.ensure_pages(seq.slot, sp.start + 1)
+            out = self.model.draft(h_prev, torch.tensor(ids, dtype=torch.int64),
+                                   StepRows.build(spans), cache)
+            self._log("draft", [(seq, "decode", 1) for seq, _ in finishing], spans, ids, out, h_prev)
+            for j, (seq, _) in enumerate(finishing):
+                seq.drafts.append(int(greedy_argmax(out.logits[j])))
+                seq.draft_hidden = out.hidden[j:j + 1]
+
+    def _retire(self) -> None:
+        for slot, seq in list(self.running.items()):
+            if seq.done:
+                self.cache.release(slot)
+                del self.running[slot]
+                self.finished.append(seq)
+
+    # ------------------------------------------------------------------ the API
+
+    def generate(self, requests: Iterable[Request], *,
+                 progress: Callable[[int, int], None] | None = None) -> GenerationReport:
+        """Admit every request on its own, run them to completion, report per request."""
+        requests = list(requests)
+        accepted, rejected = admit(requests, self.cfg, self.config)
+        results = {r.request_id: GenerationResult(r.request_id) for r in requests}
+        for err in rejected:
+            results[err.request_id] = GenerationResult(err.request_id, error=str(err))
+        for r in accepted:
+            self.submit(r)
+        target = sum(r.max_new_tokens for r in accepted)
+        t0 = time.perf_counter()
+        steps0 = self.steps
+        done_tokens = 0
+        while not self.idle:
+            for rid, toks in self.step().items():
+                results[rid].tokens += toks
+                done_tokens += len(toks)
+            if progress is not None:
+                progress(done_tokens, target)
+        seconds = time.perf_counter() - t0
+        for seq in self.finished:
+            if seq.request.request_id in results:
+                results[seq.request.request_id].num_accepted = list(seq.accepted)
+        return GenerationReport(results, self.steps - steps0, done_tokens, seconds,
+                                dict(self.step_kinds), self.dispatcher.variants_ran())

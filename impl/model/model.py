@@ -1,0 +1,319 @@
+"""The model's forward over one engine step: the trunk and the MTP draft layer, built from ``Ops``.
+
+It computes what spec/model.py computes (MATH.md's assembly, the same decisions: PLE inside the mixer's
+HC site, the GDN path chosen per request, verify rows decoded one at a time in the state's storage
+dtype), but over the engine's state: paged planes addressed through the engine's block table, the GDN
+state pool and conv windows indexed by slot, and every op dispatched through the catalog's variant
+rules. A verify step also returns what commit needs to roll back (``VerifyRecord``).
+
+A step is a list of ``Span``s, one per request: the request's slot, its rows in the step, the position
+of its first row and its GDN mode (decode: one row; prefill: a chunk of a prompt; verify: K+1 rows).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from impl.model.cache import EngineCache, GDNPool
+from impl.model.ops import DTYPE_NAME, Ops
+from spec.config import ModelConfig
+from spec.model import LayerWeights, Weights
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, rowwise_matmul
+from spec.ops.ple import ple_history_advance
+from spec.ops.qsa import QsaPlanes
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class Span:
+    slot: int
+    lo: int
+    hi: int
+    start: int
+    mode: str  # "decode" | "prefill" | "verify"
+
+    @property
+    def rows(self) -> int:
+        return self.hi - self.lo
+
+
+@dataclass
+class StepRows:
+    """Host-side rows of one step (CPU int64 [N]): slot, absolute position, the request's length
+    after the step."""
+
+    kind: str  # the launch kind QSA cells name: decode | verify | prefill | mixed
+    spans: list[Span]
+    seq_ids: torch.Tensor
+    positions: torch.Tensor
+    context_lens: torch.Tensor
+
+    @classmethod
+    def build(cls, spans: list[Span]) -> StepRows:
+        seq, pos, ctx = [], [], []
+        for sp in spans:
+            seq += [sp.slot] * sp.rows
+            pos += list(range(sp.start, sp.start + sp.rows))
+            ctx += [sp.start + sp.rows] * sp.rows
+        modes = {sp.mode for sp in spans}
+        kind = ("verify" if modes == {"verify"} else "decode" if modes == {"decode"}
+                else "prefill" if modes == {"prefill"} else "mixed")
+        as_long = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
+        return cls(kind, spans, as_long(seq), as_long(pos), as_long(ctx))
+
+    @property
+    def rows(self) -> int:
+        return int(self.seq_ids.shape[0])
+
+    def qsa_axes(self) -> dict:
+        return dict(step=self.kind, batch=len(self.spans), rows=self.rows,
+                    context=int(self.context_lens.max()))
+
+
+@dataclass
+class VerifyRecord:
+    """What a verify step leaves for commit, per request (slot): the GDN state and conv window after
+    each of its rows (per GDN layer), and the PLE history after each row."""
+
+    states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)   # layer -> slot -> [T, ...]
+    windows: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> slot -> [T, ch, 3]
+    ple_history: dict[int, torch.Tensor] = field(default_factory=dict)         # slot -> [T, 2]
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor          # [N, V] fp32 (float64 in reference mode)
+    hidden: torch.Tensor          # [N, C] the stream mean before the final norm (acc dtype)
+    record: VerifyRecord | None = None
+
+
+class Model:
+    """The forward of the trunk and the draft layer for one set of weights."""
+
+    def __init__(self, weights: Weights, cfg: ModelConfig, ops: Ops):
+        self.w = weights
+        self.cfg = cfg
+        self.ops = ops
+        self.act = weights.dtype
+        gdn = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_d_k
+        self.gdn_geometry = dict(key_heads=gdn[0], value_heads=gdn[1], head_dim=gdn[2])
+
+    # ------------------------------------------------------------------ building blocks
+
+    def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """A dense projection: row by row in the accumulation dtype, rounded once (as the spec)."""
+        acc = acc_dtype(x, w)
+        return out_cast(rowwise_matmul(x.to(acc), w.to(acc).T), self.act, is_reference_mode(x, w))
+
+    def _hc_site(self, X, site, norm_w, sublayer):
+        cfg, ops = self.cfg, self.ops
+        v, r = ops.hc_inject_norm(X, cfg.eps)
+        coef = ops.hc_first_projection(v, r, site.phi, site.bias, cfg.hc_streams, cfg.sinkhorn_iters,
+                                       X.shape[-1])
+        x_in = ops.hc_pre(X, coef.h_pre, self.act)
+        y = sublayer(ops.rmsnorm(x_in, norm_w, cfg.eps))
+        return ops.hc_up_projection(X, y, coef.h_res, coef.h_post)
+
+    def _layer(self, X, lw: LayerWeights, li: int | None, e_l, cache: EngineCache, rows: StepRows,
+               record: VerifyRecord | None, planes_get, planes_set):
+        def mixer(u):
+            if lw.kind == "gdn":
+                y = self._gdn(u, lw.mixer, cache.layers[li], li, rows, record)
+            else:
+                y = self._qsa(u, lw.mixer, cache, rows, planes_get, planes_set)
+            if lw.ple is not None:
+                y = self.ops.ple_apply(y, e_l, lw.ple.w_gate, lw.ple.w_out, lw.ple.norm_w, self.act)
+            return y
+
+        X, _ = self._hc_site(X, lw.hc_mixer, lw.norm_mixer, mixer)
+        return self._hc_site(X, lw.hc_moe, lw.norm_moe,
+                             lambda u: self.ops.moe(u, lw.moe, self.cfg.moe_top_k))
+
+    # ------------------------------------------------------------------ GDN mixer
+
+    def _gdn(self, u, w, pool: GDNPool, li: int, rows: StepRows, record: VerifyRecord | None):
+        cfg, ops, act = self.cfg, self.ops, self.act
+        N = u.shape[0]
+        hk, hv, dk, dv, r = (cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_d_k, cfg.gdn_d_v,
+                             cfg.gdn_group)
+        qkvz = self._linear(u, w.in_proj_qkvz).view(N, hk, 2 * dk + 2 * r * dv)
+        ba = self._linear(u, w.in_proj_ba).view(N, hk, 2 * r)
+        z = qkvz[..., 2 * dk + r * dv:].reshape(N, hv, dv)
+        b = ba[..., :r].reshape(N, hv)
+        a = ba[..., r:].reshape(N, hv)
+        mixed = torch.cat([qkvz[..., :dk].reshape(N, hk * dk),
+                           qkvz[..., dk:2 * dk].reshape(N, hk * dk),
+                           qkvz[..., 2 * dk:2 * dk + r * dv].reshape(N, hv * dv)], dim=-1)
+
+        def split(y):
+            M = y.shape[0]
+            return (y[:, :hk * dk].view(M, hk, dk), y[:, hk * dk:2 * hk * dk].view(M, hk, dk),
+                    y[:, 2 * hk * dk:].view(M, hv, dv))
+
+        out = torch.empty(N, hv, dv, dtype=act, device=u.device)
+        geo = self.gdn_geometry
+        decode = [sp for sp in rows.spans if sp.mode == "decode"]
+        verify = [sp for sp in rows.spans if sp.mode == "verify"]
+        prefill = [sp for sp in rows.spans if sp.mode == "prefill"]
+        dev = pool.state.device
+        if decode:
+            idx = torch.tensor([sp.lo for sp in decode], device=u.device)
+            slots = torch.tensor([sp.slot for sp in decode], dtype=torch.int64)
+            y, conv = ops.conv_update(mixed[idx], w.conv_w, pool.conv[slots.to(dev)], geometry=geo)
+            pool.conv[slots.to(dev)] = conv
+            q, k, v = split(y)
+            out[idx] = ops.gdn_decode(q, k, v, a[idx], b[idx], w.A_log, w.dt_bias, z[idx], w.norm_w,
+                                      pool.state, slots.to(dev))
+        if verify:
+            T, Bv = verify[0].rows, len(verify)
+            if any(sp.rows != T for sp in verify):
+                raise ValueError("a verify step brings the same number of rows for every request")
+            idx = torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]).to(u.device)
+            slots = torch.tensor([sp.slot for sp in verify], dtype=torch.int64)
+            x = mixed[idx].view(Bv, T, -1)
+            old_window = pool.conv[slots.to(dev)]
+            y, conv = ops.conv_prefill(x, w.conv_w, old_window, geometry=geo)
+            q, k, v = split(y.reshape(Bv * T, -1))
+            shape = lambda t: t.reshape(Bv, T, *t.shape[1:])  # noqa: E731
+            o, states = ops.gdn_verify(shape(q), shape(k), shape(v), shape(a[idx]), shape(b[idx]),
+                                       w.A_log, w.dt_bias, shape(z[idx]), w.norm_w, pool.state,
+                                       slots.to(dev))
+            out[idx] = o.reshape(Bv * T, hv, dv)
+            # Provisionally keep every row (all accepted); commit rolls back to the accepted one.
+            pool.state[slots.to(dev)] = states[:, -1].to(pool.state.dtype)
+            pool.conv[slots.to(dev)] = conv
+            if record is not None:
+                hist = torch.cat([old_window, x.transpose(1, 2)], dim=2)  # [Bv, ch, 3 + T]
+                k_hist = old_window.shape[-1]
+                record.states[li] = {sp.slot: states[j] for j, sp in enumerate(verify)}
+                record.windows[li] = {
+                    sp.slot: torch.stack([hist[j, :, i + 1:i + 1 + k_hist] for i in range(T)])
+                    for j, sp in enumerate(verify)}
+        for sp in prefill:
+            s = torch.tensor([sp.slot], device=dev)
+            x = mixed[sp.lo:sp.hi][None]
+            y, conv = ops.conv_prefill(x, w.conv_w, pool.conv[s], geometry=geo)
+            pool.conv[s] = conv
+            q, k, v = split(y[0])
+            acc = acc_dtype(u, w.conv_w)
+            o, final = ops.gdn_prefill(q[None], k[None], v[None], a[None, sp.lo:sp.hi],
+                                       b[None, sp.lo:sp.hi], w.A_log, w.dt_bias, z[None, sp.lo:sp.hi],
+                                       w.norm_w, pool.state[s].to(acc))
+            pool.state[s] = final.to(pool.state.dtype)
+            out[sp.lo:sp.hi] = o[0]
+        return self._linear(out.reshape(N, hv * dv).to(act), w.out_proj)
+
+    # ------------------------------------------------------------------ QSA mixer
+
+    def _qsa(self, u, w, cache: EngineCache, rows: StepRows, planes_get, planes_set):
+        cfg, ops, act = self.cfg, self.ops, self.act
+        N, dev = u.shape[0], u.device
+        hq, hkv, dh, hi, di = (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_heads,
+                               cfg.index_dim)
+        axes = rows.qsa_axes()
+        q = self._linear(u, w.w_q).view(N, hq, dh)
+        gate = self._linear(u, w.w_gate).view(N, hq, dh)
+        k = self._linear(u, w.w_k).view(N, hkv, dh)
+        v = self._linear(u, w.w_v).view(N, hkv, dh)
+        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, rows.positions.to(dev), cfg.rotary_dim,
+                                cfg.rope_theta, cfg.eps, step=rows.kind, context=axes["context"])
+        q_index = self._linear(u, w.w_qI).view(N, hi, di)
+        k_index = ops.rmsnorm(self._linear(u, w.w_kI), w.kI_norm, cfg.eps)
+        w_index = self._linear(u, w.w_wI)
+
+        store_k, store_v, load_k, load_v = ops.kv_codec(cache.kv_dtype, w.k_gs, w.v_gs, dh, hkv, act)
+        kv_name = {"bf16": "bfloat16"}.get(cache.kv_dtype, cache.kv_dtype)
+        table = cache.pages.block_table
+        p: QsaPlanes = planes_get()
+        seq_ids, positions = rows.seq_ids, rows.positions
+        k_cache, v_cache, pos_plane = ops.qsa_kv_append(
+            p, table, seq_ids, positions, k, v, store_k, store_v,
+            axes=dict(axes, kv_dtype=kv_name, act_dtype=DTYPE_NAME[act], kv_heads=hkv, head_dim=dh))
+        p = p._replace(k_cache=k_cache, v_cache=v_cache, pos_plane=pos_plane)
+        index_plane, block_keys, valid = ops.qsa_index_store(p, table, seq_ids, positions, k_index,
+                                                             axes=dict(axes, index_dim=di))
+        p = p._replace(index_plane=index_plane, block_keys=block_keys, block_key_valid=valid)
+        planes_set(p)
+        scores = ops.qsa_index_scores(q_index, w_index, seq_ids, positions, table, p,
+                                      axes=dict(axes, index_heads=hi, index_dim=di))
+        selected = ops.qsa_select(scores, positions, cfg.top_k_blocks, cfg.sink_blocks,
+                                  cfg.local_blocks, axes=axes)
+        tokens = ops.qsa_expand(selected, positions, rows.context_lens, axes=axes)
+        o = ops.qsa_sparse_gqa(q, gate, tokens, seq_ids, table, p, load_k, load_v,
+                               axes=dict(axes, kv_dtype=kv_name, q_heads=hq, kv_heads=hkv,
+                                         head_dim=dh))
+        return self._linear(o.reshape(N, hq * dh), w.w_o)
+
+    # ------------------------------------------------------------------ read-out
+
+    def _read_out(self, m: torch.Tensor) -> torch.Tensor:
+        h = out_cast(self.ops.rmsnorm(m, self.w.final_norm, self.cfg.eps), self.act,
+                     is_reference_mode(m))
+        logits = self._linear(h, self.w.lm_head)
+        return self.ops.logits_cast(logits) if self.act == torch.bfloat16 else logits
+
+    @staticmethod
+    def _streams(x: torch.Tensor, n: int) -> torch.Tensor:
+        return x.to(acc_dtype(x))[:, None, :].repeat(1, n, 1)
+
+    # ------------------------------------------------------------------ the passes
+
+    def trunk(self, ids: torch.Tensor, rows: StepRows, cache: EngineCache) -> StepOutput:
+        """The trunk over one step's rows (``ids`` int64 [N] on the CPU); updates ``cache``."""
+        w, cfg, act = self.w, self.cfg, self.act
+        dev = w.device
+        N = rows.rows
+        record = VerifyRecord() if any(sp.mode == "verify" for sp in rows.spans) else None
+        ids_dev = ids.to(dev)
+        x_emb = w.embed[ids_dev]
+        e = torch.empty(N, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
+        for sp in rows.spans:
+            hist = cache.ple_history[sp.slot]
+            start = "new_request" if sp.start == 0 else "continuing"
+            e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist.to(dev),
+                                                x_emb[sp.lo:sp.hi], w.ple, act, start,
+                                                cfg.num_layers)
+            if record is not None and sp.mode == "verify":
+                h, after = hist, []
+                for t in ids[sp.lo:sp.hi]:
+                    h = ple_history_advance(h, t.reshape(1))
+                    after.append(h)
+                record.ple_history[sp.slot] = torch.stack(after)
+        X = self._streams(x_emb, cfg.hc_streams)
+        m = X[:, 0]
+        for li, lw in enumerate(w.layers):
+            def get(li=li):
+                return cache.layers[li]
+
+            def put(p, li=li):
+                cache.layers[li] = p
+            X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, get, put)
+        logits = self._read_out(m)
+        for sp in rows.spans:
+            cache.ple_history[sp.slot] = ple_history_advance(cache.ple_history[sp.slot],
+                                                             ids[sp.lo:sp.hi])
+            cache.lengths[sp.slot] = sp.start + sp.rows
+        return StepOutput(logits, m, record)
+
+    def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, rows: StepRows,
+              cache: EngineCache) -> StepOutput:
+        """The MTP draft layer over rows (h_prev, next token); updates the draft layer's planes."""
+        w, cfg = self.w, self.cfg
+        mw = w.mtp
+        dev = w.device
+        h_in = self.ops.mtp_draft_input(next_ids.to(dev), h_prev.to(dev), w.embed, mw.norm_emb,
+                                        mw.norm_h, mw.fc, self.act)
+
+        def get():
+            return cache.mtp
+
+        def put(p):
+            cache.mtp = p
+        X, m = self._layer(self._streams(h_in, cfg.hc_streams), mw.layer, None, None, cache, rows,
+                           None, get, put)
+        for sp in rows.spans:
+            cache.mtp_lengths[sp.slot] = sp.start + sp.rows
+        return StepOutput(self._read_out(m), m)

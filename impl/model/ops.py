@@ -1,0 +1,259 @@
+"""The engine's op bindings: one method per op of the catalog the forward calls.
+
+Each method asks the ``Dispatcher`` for the call's variant and runs it in the engine's convention.
+A reference variant (``impl: spec``) runs the spec function the op's cell file names (its model-level
+form in spec/ops/); any other variant runs in the variant calling convention of impl/kernels/ (inputs,
+then output buffers as keywords, written in place). An op whose only bindable variants are references
+refuses any other variant with a clear error rather than guessing its calling convention.
+
+Storage conventions (the engine's state, updated here in place):
+- ``state_pool`` [slots, HV, d_k, d_v] in the storage dtype; decode writes the rows at ``slots``.
+- ``conv`` [slots, channels, 3] in the activation dtype.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from impl.model.dispatch import DispatchError, Dispatcher
+from spec.ops import gdn as spec_gdn
+from spec.ops import hc as spec_hc
+from spec.ops import kv_storage as spec_kv
+from spec.ops import moe as spec_moe
+from spec.ops import mtp as spec_mtp
+from spec.ops import norms as spec_norms
+from spec.ops import ple as spec_ple
+from spec.ops import qsa as spec_qsa
+from spec.ops import rope as spec_rope
+
+DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
+              torch.float16: "float16"}
+
+
+class Ops:
+    """The ops the forward calls, each dispatched through ``dispatcher``."""
+
+    def __init__(self, dispatcher: Dispatcher):
+        self.d = dispatcher
+
+    # ------------------------------------------------------------------ helpers
+
+    def _reference(self, op: str, **axes: Any) -> None:
+        """Dispatch an op the engine binds only through its reference variant."""
+        variant = self.d.choose(op, **axes)
+        if variant.impl != "spec":
+            raise DispatchError(f"{op}: variant {variant.name!r} was chosen, but the engine binds "
+                                f"only the op's reference variant; add its binding in {__name__}")
+
+    def _choose(self, op: str, **axes: Any) -> tuple[bool, Callable | None]:
+        variant = self.d.choose(op, **axes)
+        if variant.impl == "spec":
+            return True, None
+        return False, self.d.impl(op, variant)
+
+    # ------------------------------------------------------------------ norms, HC, PLE, MoE
+
+    def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        self._reference("rmsnorm", rows=x.shape[0], hidden=x.shape[-1])
+        return spec_norms.rmsnorm(x, w, eps)
+
+    def hc_inject_norm(self, X: torch.Tensor, eps: float):
+        self._reference("hc_inject_norm", tokens=X.shape[0], streams=X.shape[1], hidden=X.shape[2])
+        return spec_hc.hc_inject_norm(X, eps)
+
+    def hc_first_projection(self, v, r, phi, bias, n: int, iters: int, hidden: int):
+        self._reference("hc_first_projection", tokens=v.shape[0], streams=n, hidden=hidden)
+        return spec_hc.hc_first_projection(v, r, phi, bias, n, iters)
+
+    def hc_pre(self, X: torch.Tensor, h_pre: torch.Tensor, act: torch.dtype) -> torch.Tensor:
+        self._reference("hc_pre", tokens=X.shape[0], streams=X.shape[1], hidden=X.shape[2])
+        return spec_hc.hc_pre(X, h_pre, act)
+
+    def hc_up_projection(self, X, y, h_res, h_post):
+        self._reference("hc_up_projection", tokens=X.shape[0], streams=X.shape[1],
+                        hidden=X.shape[2])
+        return spec_hc.hc_up_projection(X, y, h_res, h_post)
+
+    def ple_embed(self, ids, history, x_emb, pw, act: torch.dtype, start: str, layers: int):
+        self._reference("ple_embed", tokens=ids.shape[0], start=start, layers=layers,
+                        ple_dim=pw.norm_w.shape[0], hidden=x_emb.shape[-1],
+                        vocab=pw.table.shape[0])
+        return spec_ple.ple_embed(ids, history, x_emb, pw.table, pw.ngram_table, pw.w_ple,
+                                  pw.norm_w, pw.hash_cfg, act)
+
+    def ple_apply(self, y, e_l, w_gate, w_out, norm_w, act: torch.dtype) -> torch.Tensor:
+        self._reference("ple_apply", tokens=y.shape[0], x_dtype=DTYPE_NAME[y.dtype],
+                        hidden=y.shape[-1], ple_dim=e_l.shape[-1])
+        return spec_ple.ple_apply(y, e_l, w_gate, w_out, norm_w, act)
+
+    def moe(self, u: torch.Tensor, w, top_k: int) -> torch.Tensor:
+        e = w.experts
+        self._reference("moe", tokens=u.shape[0], experts=w.router.shape[0], hidden=u.shape[-1],
+                        expert_inter=e.intermediate, shared_inter=w.shared.w_gate.shape[0],
+                        top_k=top_k)
+        return spec_moe.moe(u, w.router, w.experts, w.shared, top_k)
+
+    def logits_cast(self, logits: torch.Tensor) -> torch.Tensor:
+        self._reference("logits_cast", rows=logits.shape[0], vocab=logits.shape[-1],
+                        logits_dtype=DTYPE_NAME[logits.dtype])
+        return spec_mtp.logits_cast(logits)
+
+    def mtp_draft_input(self, ids, h, embed, norm_emb, norm_h, fc, act: torch.dtype):
+        self._reference("mtp_draft_input", rows=ids.shape[0], hidden=h.shape[-1],
+                        embed_rows=embed.shape[0], act_dtype=DTYPE_NAME[act])
+        return spec_mtp.mtp_draft_input(ids, h, embed, norm_emb, norm_h, fc, act)
+
+    # ------------------------------------------------------------------ speculative decoding
+
+    def greedy_verify(self, logits: torch.Tensor, drafts: torch.Tensor, draft_lens: torch.Tensor):
+        self._reference("greedy_verify", batch=logits.shape[0], draft=drafts.shape[1],
+                        vocab=logits.shape[-1],
+                        ragged=bool((draft_lens != drafts.shape[1]).any()))
+        return spec_mtp.greedy_verify(logits, drafts, draft_lens)
+
+    def rollback_commit(self, records: dict[str, torch.Tensor], num_accepted: torch.Tensor,
+                        **axes: Any) -> dict[str, torch.Tensor]:
+        first = next(iter(records.values()))
+        self._reference("rollback_commit", batch=first.shape[0], draft=first.shape[1] - 1, **axes)
+        return spec_mtp.rollback_commit(records, num_accepted)
+
+    # ------------------------------------------------------------------ KV storage codecs
+
+    def kv_codec(self, kv_dtype: str | None, k_gs: torch.Tensor, v_gs: torch.Tensor,
+                 head_dim: int, kv_heads: int, act: torch.dtype):
+        """(store_k, store_v, load_k, load_v) for qsa_kv_append / qsa_sparse_gqa; None = a cast."""
+        if kv_dtype in (None, "bf16"):
+            return None, None, None, None
+        op = "kv_fp8" if kv_dtype == "fp8" else "kv_nvfp4"
+        axes = dict(kv_heads=kv_heads, head_dim=head_dim, act_dtype=DTYPE_NAME[act])
+
+        if kv_dtype == "fp8":
+            def store(x):
+                self._reference(op, tokens=x.shape[0], **axes)
+                return (spec_kv.fp8_quantize(x),)
+
+            def load(parts, dtype):
+                return spec_kv.fp8_dequantize(parts[0], dtype)
+            return store, store, load, load
+
+        def store_with(gs):
+            def store(x):
+                self._reference(op, tokens=x.shape[0], **axes)
+                return spec_kv.nvfp4_quantize(x, gs)
+            return store
+
+        def load_with(gs):
+            return lambda parts, dtype: spec_kv.nvfp4_dequantize(parts[0], parts[1], gs, dtype)
+        return store_with(k_gs), store_with(v_gs), load_with(k_gs), load_with(v_gs)
+
+    # ------------------------------------------------------------------ QSA
+
+    def qk_norm_rope(self, q, k, q_norm, k_norm, positions, rotary_dim, theta, eps, *, step: str,
+                     context: int):
+        self._reference("qk_norm_rope", step="decode" if step == "decode" else "prefill",
+                        rows=q.shape[0], context=context, rope="plain",
+                        act_dtype=DTYPE_NAME[q.dtype], q_heads=q.shape[1], kv_heads=k.shape[1],
+                        head_dim=q.shape[2])
+        return spec_rope.qk_norm_rope(q, k, q_norm, k_norm, positions, rotary_dim, theta, eps)
+
+    def qsa_kv_append(self, planes, block_table, seq_ids, positions, k, v, store_k, store_v,
+                      *, axes: dict):
+        self._reference("qsa_kv_append", **axes)
+        return spec_qsa.qsa_kv_append(planes.k_cache, planes.v_cache, planes.pos_plane,
+                                      block_table, seq_ids, positions, k, v, store_k, store_v)
+
+    def qsa_index_store(self, planes, block_table, seq_ids, positions, k_index, *, axes: dict):
+        self._reference("qsa_index_store", **axes)
+        return spec_qsa.qsa_index_store(planes.index_plane, planes.block_keys,
+                                        planes.block_key_valid, block_table, seq_ids, positions,
+                                        k_index)
+
+    def qsa_index_scores(self, q_index, w_index, seq_ids, positions, block_table, planes, *,
+                         axes: dict):
+        self._reference("qsa_index_scores", **axes)
+        return spec_qsa.qsa_index_scores(q_index, w_index, seq_ids, positions, block_table,
+                                         planes.block_keys, planes.block_key_valid)
+
+    def qsa_select(self, scores, positions, top_k, sink, local, *, axes: dict):
+        self._reference("qsa_select", **axes)
+        return spec_qsa.qsa_select(scores, positions, top_k, sink, local)
+
+    def qsa_expand(self, selected, positions, context_lens, *, axes: dict):
+        self._reference("qsa_expand", **axes)
+        return spec_qsa.qsa_expand(selected, positions, context_lens)
+
+    def qsa_sparse_gqa(self, q, gate, tokens, seq_ids, block_table, planes, load_k, load_v, *,
+                       axes: dict):
+        self._reference("qsa_sparse_gqa", **axes)
+        return spec_qsa.qsa_sparse_gqa(q, gate, tokens, seq_ids, block_table, planes.k_cache,
+                                       planes.v_cache, load_k, load_v)
+
+    # ------------------------------------------------------------------ GDN
+
+    def _gdn_axes(self, q: torch.Tensor, v: torch.Tensor) -> dict[str, int]:
+        return dict(key_heads=q.shape[-2], value_heads=v.shape[-2], head_dim=q.shape[-1])
+
+    def conv_prefill(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                     *, geometry: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, T, ch], conv_state [B, ch, 3] -> (y [B, T, ch], new state [B, ch, 3])."""
+        ref, fn = self._choose("gdn_conv_prefill", batch=x.shape[0], seq_len=x.shape[1], **geometry)
+        if ref:
+            return spec_gdn.causal_conv1d(x, weight, conv_state)
+        y, new_state = torch.empty_like(x), torch.empty_like(conv_state)
+        fn(x, weight, conv_state, y=y, new_conv_state=new_state)
+        return y, new_state
+
+    def conv_update(self, x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor,
+                    *, geometry: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [B, ch], conv_state [B, ch, 3] -> (y [B, ch], new state [B, ch, 3])."""
+        ref, fn = self._choose("gdn_conv_update", batch=x.shape[0], **geometry)
+        if ref:
+            return spec_gdn.causal_conv1d_update(x, weight, conv_state)
+        y, state = torch.empty_like(x), conv_state.clone()
+        fn(x, weight, state, y=y)
+        return y, state
+
+    def gdn_decode(self, q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool: torch.Tensor,
+                   slots: torch.Tensor) -> torch.Tensor:
+        """One row per request; ``state_pool`` rows at ``slots`` updated in place. Returns out."""
+        ref, fn = self._choose("gdn_decode", batch=q.shape[0],
+                               state_dtype=DTYPE_NAME[state_pool.dtype], **self._gdn_axes(q, v))
+        if ref:
+            res = spec_gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots)
+            state_pool[slots] = res["state_pool"][slots].to(state_pool.dtype)
+            return res["out"]
+        out = torch.empty_like(z)
+        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots.to(state_pool.device),
+           out=out)
+        return out
+
+    def gdn_verify(self, q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool: torch.Tensor,
+                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """T rows a request from the pool (not written). Returns (out, states after every row)."""
+        ref, fn = self._choose("gdn_verify", batch=q.shape[0], rows=q.shape[1],
+                               state_dtype=DTYPE_NAME[state_pool.dtype], **self._gdn_axes(q, v))
+        if ref:
+            res = spec_gdn.gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots)
+            return res["out"], res["states"]
+        B, T, HV, V = v.shape
+        out = torch.empty_like(z)
+        states = torch.empty(B, T, HV, q.shape[-1], V, dtype=state_pool.dtype, device=v.device)
+        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots.to(state_pool.device),
+           out=out, states=states)
+        return out, states
+
+    def gdn_prefill(self, q, k, v, a, b, A_log, dt_bias, z, norm_w, state: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One or more whole chunks from an fp32 (float64 in reference mode) state. Returns (out,
+        final state in the state's dtype)."""
+        ref, fn = self._choose("gdn_prefill", batch=q.shape[0], seq_len=q.shape[1],
+                               **self._gdn_axes(q, v))
+        if ref:
+            res = spec_gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, z, norm_w, state)
+            return res["out"], res["final_state"]
+        out = torch.empty_like(z)
+        final = torch.empty_like(state)
+        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out=out, final_state=final)
+        return out, final

@@ -1,0 +1,249 @@
+"""The engine against spec/model.py on the tiny config with random weights.
+
+Every model pass the engine makes (context chunks, decode, mixed, MTP verify with commit, draft
+passes) is replayed through the reference forward (tests/engine/spec_replay.py). In batch-invariant
+mode the engine runs every op's reference variant, so every pass must match bit for bit: what is
+tested there is the engine itself (slots, pages, block tables, chunking, the state pool, verify
+records, commit and rollback). In the default mode the GDN ops run their torch variants, and the
+logits are held to a tolerance derived from the reference's own bf16 error (see
+test_default_mode_within_derived_tolerance).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from impl.model import engine as engine_mod
+from impl.model import model as model_mod
+from impl.model.admission import Request
+from impl.model.engine import Engine
+from impl.model.engine_config import EngineConfig, SpeculativeConfig
+from spec.config import ModelConfig
+from spec.model import init_weights
+from tests.engine.spec_replay import first_mismatch, replay, widen
+
+TINY = ModelConfig.tiny()
+BF16 = torch.bfloat16
+STATE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+MAX_LEN = 160
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return init_weights(TINY, seed=0, dtype=BF16)
+
+
+def _requests(lengths: list[int], new: int = 6, seed: int = 1) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(request_id=f"r{i}", prompt=tuple(torch.randint(0, TINY.vocab_size, (n,),
+                                                                   generator=gen).tolist()),
+                    max_new_tokens=new) for i, n in enumerate(lengths)]
+
+
+def _engine(weights, *, kv="bf16", state="fp32", k=None, budget=40, batch=4, invariant=True,
+            chunked=True) -> Engine:
+    config = EngineConfig(model="tiny", kv_cache_dtype=kv, state_dtype=state, max_batch_size=batch,
+                          max_num_tokens=budget, max_seq_len=MAX_LEN,
+                          enable_chunked_prefill=chunked, batch_invariant=invariant,
+                          speculative=None if k is None else SpeculativeConfig(draft_length=k))
+    return Engine(config, weights, log_calls=True)
+
+
+def _replay(e: Engine, weights):
+    return replay(e.calls, weights, TINY, kv_dtype=e.config.kv_cache_dtype,
+                  state_dtype=STATE[e.config.state_dtype], max_len=MAX_LEN + 8)
+
+
+# Prompts of 37, 5 and 70 tokens under a 40-token budget: chunks that cross 32-token page edges, a
+# request that finishes its prompt while another is still reading (a mixed step), a 1-token chunk.
+LENGTHS = [37, 5, 70]
+
+
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32"),
+                                      ("bf16", "bf16"), ("fp8", "fp32"), ("nvfp4", "bf16")])
+def test_plain_decoding_matches_spec_bitwise(weights, kv, state):
+    e = _engine(weights, kv=kv, state=state)
+    rep = e.generate(_requests(LENGTHS))
+    assert set(rep.step_kinds) == {"context", "mixed", "decode"}, rep.step_kinds
+    passes = _replay(e, weights)
+    assert len(passes) == rep.steps
+    assert first_mismatch(passes) is None, first_mismatch(passes)
+
+
+@pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", 3), ("fp8", "bf16", 1),
+                                        ("nvfp4", "fp32", 7), ("bf16", "bf16", 2)])
+def test_speculative_decoding_matches_spec_bitwise(weights, kv, state, k):
+    """Context, verify, commit (the cached-replay oracle) and draft passes, bit for bit."""
+    e = _engine(weights, kv=kv, state=state, k=k, budget=40 if k < 7 else 48)
+    rep = e.generate(_requests(LENGTHS))
+    assert set(rep.step_kinds) == {"context", "verify"}, rep.step_kinds
+    passes = _replay(e, weights)
+    kinds = {p.what.split()[0] for p in passes}
+    assert kinds == {"trunk", "commit", "draft"}, kinds
+    assert first_mismatch(passes) is None, first_mismatch(passes)
+
+
+def test_speculative_tokens_equal_plain_greedy(weights):
+    """In batch-invariant mode speculation changes how tokens are computed, never which."""
+    plain = _engine(weights).generate(_requests(LENGTHS, new=10))
+    for k in (1, 3):
+        spec = _engine(weights, k=k).generate(_requests(LENGTHS, new=10))
+        for rid, res in plain.results.items():
+            assert spec.results[rid].tokens == res.tokens, (k, rid)
+
+
+def _token_logits(e: Engine, r: Request) -> list[torch.Tensor]:
+    """The logits rows that emitted ``r``'s tokens: its prompt's last row, then its decode rows."""
+    rows = []
+    for call in e.calls:
+        row = 0
+        for rid, start, ids, mode in call.spans:
+            if rid == r.request_id and (mode == "decode" or start + len(ids) == len(r.prompt)):
+                rows.append(call.logits[row + len(ids) - 1])
+            row += len(ids)
+    return rows
+
+
+def test_batched_requests_equal_each_alone(weights):
+    """Requests of different lengths batched together (their prompts chunked at other points than
+    when alone, at 32-token page edges by a 32-token budget) give the same tokens as each run alone,
+    from bit-for-bit equal logits (an fp32 state carries exactly across chunks)."""
+    reqs = _requests([33, 64, 95, 7], new=5)
+    together = _engine(weights, budget=32)
+    res = together.generate(reqs)
+    assert together.step_kinds.get("mixed", 0) > 0
+    for r in reqs:
+        alone = _engine(weights, budget=32, batch=1)
+        one = alone.generate([r])
+        assert one.results[r.request_id].tokens == res.results[r.request_id].tokens
+        a, b = _token_logits(together, r), _token_logits(alone, r)
+        assert len(a) == len(b) == 5
+        assert all(torch.equal(x, y) for x, y in zip(a, b)), r.request_id
+
+
+def _errors_vs(passes64, passes_lowp):
+    """Per pass: relative RMS error of the logits against float64 (rows pooled)."""
+    out = []
+    for p64, p in zip(passes64, passes_lowp):
+        ref = p64.spec_logits
+        denom = ref.pow(2).mean().sqrt()
+        out.append(((p.engine_logits.double() - ref).pow(2).mean().sqrt() / denom).item())
+    return out
+
+
+@pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", None), ("fp8", "bf16", None),
+                                        ("nvfp4", "fp32", 3)])
+def test_default_mode_within_derived_tolerance(weights, kv, state, k):
+    """Default mode: the GDN ops run their torch variants (certified to the same bands as the spec's
+    own bf16 path). Derivation: both the engine and the reference run the bf16 model with the same
+    rounding points, differing only in the order of fp32 sums inside the GDN ops, so each pass's
+    logits lie about as far from the float64 ideal of the same weights as the reference's bf16 logits
+    do. The bound: engine error <= 2 x reference error + 2^-9 (one bf16 half-ulp of relative RMS, for
+    passes where the reference happens to be closer than typical). A wrong slot, page or commit moves
+    logits by order 1, hundreds of times this."""
+    e = _engine(weights, kv=kv, state=state, k=k, invariant=False)
+    e.generate(_requests(LENGTHS))
+    assert any(v != "spec_lowp" for vs in e.dispatcher.variants_ran().values() for v in vs)
+    lowp = _replay(e, weights)
+    ideal = replay(e.calls, widen(weights), TINY, kv_dtype=kv, state_dtype=STATE[state],
+                   max_len=MAX_LEN + 8)
+    err_engine = _errors_vs(ideal, [type(p)(p.what, p.engine_logits, p.engine_logits) for p in lowp])
+    err_spec = [((p.spec_logits.double() - q.spec_logits).pow(2).mean().sqrt()
+                 / q.spec_logits.pow(2).mean().sqrt()).item() for p, q in zip(lowp, ideal)]
+    for i, (a, b) in enumerate(zip(err_engine, err_spec)):
+        assert a <= 2 * b + 2 ** -9, f"pass {i} ({lowp[i].what}): engine {a:.3g} vs reference {b:.3g}"
+
+
+# ---------------------------------------------------------------- planted bugs
+
+
+def _mismatch_with(weights, monkeypatch, **kw) -> str | None:
+    e = _engine(weights, **kw)
+    e.generate(_requests(LENGTHS))
+    try:
+        return first_mismatch(_replay(e, weights))
+    except AssertionError as err:  # the reference disagrees on a position before any logits differ
+        return str(err)
+
+
+def test_planted_commit_one_row_late_fails(weights, monkeypatch):
+    real = engine_mod.Engine._commit
+
+    def late(self, plan, spans, out, num_accepted):
+        return real(self, plan, spans, out, (num_accepted + 1).clamp(max=self.k + 1))
+    monkeypatch.setattr(engine_mod.Engine, "_commit", late)
+    assert _mismatch_with(weights, monkeypatch, k=3) is not None
+
+
+def test_planted_ngram_history_not_advanced_fails(weights, monkeypatch):
+    real = model_mod.ple_history_advance
+    monkeypatch.setattr(model_mod, "ple_history_advance",
+                        lambda h, ids: h if ids.numel() == 1 else real(h, ids))
+    assert _mismatch_with(weights, monkeypatch) is not None
+
+
+def test_planted_page_alias_is_refused(weights, monkeypatch):
+    """A block table that maps a request's second block onto its first page: the KV append refuses
+    two tokens in one slot before any logits are computed."""
+    real = engine_mod.EngineCache.ensure_pages
+
+    def alias(self, slot, length):
+        real(self, slot, length)
+        if self.pages.block_table[slot, 1] >= 0:
+            self.pages.block_table[slot, 1] = self.pages.block_table[slot, 0]
+    monkeypatch.setattr(engine_mod.EngineCache, "ensure_pages", alias)
+    with pytest.raises(ValueError, match="same slot"):
+        _engine(weights).generate(_requests(LENGTHS))
+
+
+def test_planted_slot_state_not_reset_fails(weights, monkeypatch):
+    """Three requests on two slots: the third inherits the GDN state of the request before it."""
+    monkeypatch.setattr(engine_mod.GDNPool, "reset", lambda self, slot: None)
+    e = _engine(weights, batch=2)
+    e.generate(_requests(LENGTHS))
+    assert first_mismatch(_replay(e, weights)) is not None
+
+
+# ---------------------------------------------------------------- API, admission, hooks
+
+
+def test_bad_request_fails_alone(weights):
+    good = _requests([20, 9], new=4)
+    bad = Request(request_id="bad", prompt=(1, 2, TINY.vocab_size), max_new_tokens=4)
+    mixed = _engine(weights).generate([good[0], bad, good[1]])
+    alone = _engine(weights).generate(good)
+    assert "bad" in mixed.results and "vocab" not in (mixed.results["bad"].error or "x")[:0]
+    assert "token 2" in mixed.results["bad"].error
+    for r in good:
+        assert mixed.results[r.request_id].tokens == alone.results[r.request_id].tokens
+        assert mixed.results[r.request_id].error is None
+
+
+def test_forced_acceptance_gives_exact_acceptance_lengths(weights):
+    for forced, want in ((lambda rid, a: 1, 1.0), (lambda rid, a: 4, 4.0)):
+        e = _engine(weights, k=3)
+        e.force_accept = forced
+        rep = e.generate(_requests([12, 40], new=9))
+        assert rep.acceptance_length == want
+        assert all(len(r.tokens) == 9 for r in rep.results.values())
+
+
+def test_report_names_variants_and_rates(weights):
+    rep = _engine(weights, invariant=False).generate(_requests([10], new=3))
+    assert rep.variants["gdn_decode"] == ["torch"] and rep.variants["rmsnorm"] == ["spec_lowp"]
+    assert rep.generated_tokens == 3 and rep.tokens_per_second > 0
+
+
+def test_weights_must_match_the_configuration():
+    w32 = init_weights(TINY, seed=0, dtype=torch.float32)
+    with pytest.raises(ValueError, match="model_dtype"):
+        Engine(EngineConfig(model="tiny", max_batch_size=2, max_num_tokens=64, max_seq_len=128), w32)
