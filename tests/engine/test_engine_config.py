@@ -197,3 +197,39 @@ def test_cli_exit_codes(capsys):
     assert "nvfp4_kv_needs_chunked_prefill_block_reuse_or_speculation" in out
     assert cli.main(["explain", "--draft-length", "8"]) == 2
     assert "draft_length: Input should be less than or equal to 7" in capsys.readouterr().out
+
+
+def test_batch_invariant_needs_reference_variants():
+    c = EngineConfig(model="tiny", batch_invariant=True)
+    assert check(c) == []
+    ctx = default_context(c)
+    ops = dict(ctx.catalog.ops)
+    dec = ops["gdn_decode"]
+    ops["gdn_decode"] = dec.model_copy(update={"variants": [v for v in dec.variants
+                                                            if v.impl != "spec"]})
+    cut = RuleContext(ctx.model, Catalog(ops=ops, errors=ctx.catalog.errors), ctx.arch)
+    r = only(c, cut)
+    assert r.rule == "batch_invariant_needs_reference_variants"
+    assert r.reason == ("batch-invariant mode runs every op's reference variant (impl: spec); "
+                        f"gdn_decode has none that runs on {ctx.arch}")
+
+
+def test_explain_batch_invariant_lists_reference_variants():
+    c = EngineConfig(model="tiny", batch_invariant=True)
+    text = explain(c, receipts={})
+    assert "batch_invariant=True" in text
+    assert "  gdn_decode: spec_lowp (dispatch at" in text
+
+
+def test_cli_generate(capsys):
+    args = ["generate", "--random-weights", "--max-batch-size", "2", "--max-num-tokens", "32",
+            "--max-seq-len", "128", "--random-prompts", "2", "--prompt-len", "20",
+            "--max-new-tokens", "4"]
+    assert cli.main(args + ["--draft-length", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "8 tokens in" in out and "tokens/s" in out and "acceptance length" in out
+    assert "gdn_verify=torch" in out
+    assert cli.main(args + ["--prompt", "x" * 200]) == 2
+    out = capsys.readouterr().out
+    assert "req0: REJECTED" in out and "req1: [" in out and "req2: [" in out
+    assert cli.main(["generate", "--random-weights", "--preset", "target", "--prompt", "a"]) == 2
