@@ -130,6 +130,7 @@ class Engine:
                              f"{config.model_dtype}")
         self.weights = weights
         self.k = config.speculative.draft_length if config.speculative else 0
+        self.index_share = bool(config.speculative and config.speculative.index_share)
         if self.k and weights.mtp is None:
             raise ValueError("speculation needs the MTP draft layer's weights")
         self.dispatcher = Dispatcher(ctx.catalog, runtime_arch(),
@@ -273,7 +274,7 @@ class Engine:
                 nxt = list(seq.prompt[sp.start + 1:sp.start + n]) + [token]
                 drafting.append((seq, sp, nxt))
         if drafting:
-            self._draft(drafting, out.hidden)
+            self._draft(drafting, out)
         return emitted
 
     def _after_verify(self, plan, spans, out: StepOutput) -> dict[str, list[int]]:
@@ -306,7 +307,7 @@ class Engine:
                                         accepted={seq.request.request_id: int(num_accepted[r])
                                                   for r, (seq, _, _) in enumerate(plan)}))
         if drafting:
-            self._draft(drafting, out.hidden)
+            self._draft(drafting, out)
         return emitted
 
     def _commit(self, plan, spans, out: StepOutput, num_accepted: torch.Tensor) -> None:
@@ -336,12 +337,13 @@ class Engine:
                                                         sp.start + sp.rows)
             self.cache.lengths[slot] = keep
 
-    def _draft(self, items: list[tuple[Sequence, Span, list[int]]], trunk_hidden: torch.Tensor
-               ) -> None:
+    def _draft(self, items: list[tuple[Sequence, Span, list[int]]], trunk: StepOutput) -> None:
         """The draft layer reads rows (h_t, x_{t+1}) of the trunk, then drafts K tokens for every
-        request whose next token is known (its last row's next token is the emitted one)."""
+        request whose next token is known (its last row's next token is the emitted one). With
+        IndexShare the rows the trunk just computed reuse its last QSA layer's selection at the same
+        positions (MATH.md QSA item 7); the speculative rows past the trunk score their own."""
         cache = self.cache
-        spans, h_rows, ids, row = [], [], [], 0
+        spans, h_rows, sel_rows, ids, row = [], [], [], [], 0
         for seq, sp, nxt in items:
             slot = seq.slot
             # Roll back the previous round's speculative draft rows (positions >= the trunk's start).
@@ -351,13 +353,15 @@ class Engine:
                 cache.mtp_lengths[slot] = sp.start
             n = sp.hi - sp.lo
             spans.append(Span(slot, row, row + n, sp.start, "prefill"))
-            h_rows.append(trunk_hidden[sp.lo:sp.hi])
+            h_rows.append(trunk.hidden[sp.lo:sp.hi])
+            sel_rows.append(trunk.selection[sp.lo:sp.hi])
             ids += nxt
             row += n
         plan = [(seq, "prefill", sp.hi - sp.lo) for seq, sp, _ in items]
         h_prev = torch.cat(h_rows)
+        shared = torch.cat(sel_rows) if self.index_share else None
         out = self.model.draft(h_prev, torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
-                               cache)
+                               cache, shared)
         self._log("draft", plan, spans, ids, out, h_prev)
         finishing = [(seq, sp) for (seq, _, _), sp in zip(items, spans)
                      if not seq.in_prompt and not seq.done]

@@ -84,10 +84,21 @@ class VerifyRecord:
 
 
 @dataclass
+class SelectionSlot:
+    """IndexShare's hand-over: ``keep`` asks a layer to leave its selection in ``kept``; ``shared``
+    [N, W] gives a layer the selection to use (a row of -2 = score its own)."""
+
+    keep: bool = False
+    kept: torch.Tensor | None = None
+    shared: torch.Tensor | None = None
+
+
+@dataclass
 class StepOutput:
     logits: torch.Tensor          # [N, V] fp32 (float64 in reference mode)
     hidden: torch.Tensor          # [N, C] the stream mean before the final norm (acc dtype)
     record: VerifyRecord | None = None
+    selection: torch.Tensor | None = None   # trunk: the last QSA layer's selected blocks [N, W]
 
 
 class Model:
@@ -118,12 +129,12 @@ class Model:
         return ops.hc_up_projection(X, y, coef.h_res, coef.h_post)
 
     def _layer(self, X, lw: LayerWeights, li: int | None, e_l, cache: EngineCache, rows: StepRows,
-               record: VerifyRecord | None, planes_get, planes_set):
+               record: VerifyRecord | None, planes_get, planes_set, selection=None):
         def mixer(u):
             if lw.kind == "gdn":
                 y = self._gdn(u, lw.mixer, cache.layers[li], li, rows, record)
             else:
-                y = self._qsa(u, lw.mixer, cache, rows, planes_get, planes_set)
+                y = self._qsa(u, lw.mixer, cache, rows, planes_get, planes_set, selection)
             if lw.ple is not None:
                 y = self.ops.ple_apply(y, e_l, lw.ple.w_gate, lw.ple.w_out, lw.ple.norm_w, self.act)
             return y
@@ -208,7 +219,11 @@ class Model:
 
     # ------------------------------------------------------------------ QSA mixer
 
-    def _qsa(self, u, w, cache: EngineCache, rows: StepRows, planes_get, planes_set):
+    def _qsa(self, u, w, cache: EngineCache, rows: StepRows, planes_get, planes_set,
+             selection: SelectionSlot | None = None):
+        """``selection``: where to leave this layer's selected blocks (the trunk's last QSA layer),
+        or the shared selection to use (IndexShare in the draft layer: rows with a shared
+        selection skip their own index scores and selection)."""
         cfg, ops, act = self.cfg, self.ops, self.act
         N, dev = u.shape[0], u.device
         hq, hkv, dh, hi, di = (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_heads,
@@ -237,10 +252,26 @@ class Model:
                                                              axes=dict(axes, index_dim=di))
         p = p._replace(index_plane=index_plane, block_keys=block_keys, block_key_valid=valid)
         planes_set(p)
-        scores = ops.qsa_index_scores(q_index, w_index, seq_ids, positions, table, p,
-                                      axes=dict(axes, index_heads=hi, index_dim=di))
-        selected = ops.qsa_select(scores, positions, cfg.top_k_blocks, cfg.sink_blocks,
-                                  cfg.local_blocks, axes=axes)
+        shared = selection.shared if selection is not None else None
+        if shared is None:
+            scores = ops.qsa_index_scores(q_index, w_index, seq_ids, positions, table, p,
+                                          axes=dict(axes, index_heads=hi, index_dim=di))
+            selected = ops.qsa_select(scores, positions, cfg.top_k_blocks, cfg.sink_blocks,
+                                      cfg.local_blocks, axes=axes)
+        else:
+            # IndexShare: rows the trunk has a selection for take it; the others (all -2) score
+            # their own. Both ops are row-wise, so running them on the subset changes nothing else.
+            selected = shared.clone()
+            own = (shared == -2).all(dim=1).nonzero().flatten()
+            if own.numel():
+                own_axes = dict(axes, rows=int(own.numel()))
+                scores = ops.qsa_index_scores(q_index[own.to(dev)], w_index[own.to(dev)],
+                                              seq_ids[own], positions[own], table, p,
+                                              axes=dict(own_axes, index_heads=hi, index_dim=di))
+                selected[own] = ops.qsa_select(scores, positions[own], cfg.top_k_blocks,
+                                               cfg.sink_blocks, cfg.local_blocks, axes=own_axes)
+        if selection is not None and selection.keep:
+            selection.kept = selected
         tokens = ops.qsa_expand(selected, positions, rows.context_lens, axes=axes)
         o = ops.qsa_sparse_gqa(q, gate, tokens, seq_ids, table, p, load_k, load_v,
                                axes=dict(axes, kv_dtype=kv_name, q_heads=hq, kv_heads=hkv,
@@ -284,23 +315,28 @@ class Model:
                 record.ple_history[sp.slot] = torch.stack(after)
         X = self._streams(x_emb, cfg.hc_streams)
         m = X[:, 0]
+        last_qsa = max(i for i, lw in enumerate(w.layers) if lw.kind == "qsa")
+        handover = SelectionSlot(keep=True)
         for li, lw in enumerate(w.layers):
             def get(li=li):
                 return cache.layers[li]
 
             def put(p, li=li):
                 cache.layers[li] = p
-            X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, get, put)
+            X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, get, put,
+                               handover if li == last_qsa else None)
         logits = self._read_out(m)
         for sp in rows.spans:
             cache.ple_history[sp.slot] = ple_history_advance(cache.ple_history[sp.slot],
                                                              ids[sp.lo:sp.hi])
             cache.lengths[sp.slot] = sp.start + sp.rows
-        return StepOutput(logits, m, record)
+        return StepOutput(logits, m, record, handover.kept)
 
     def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, rows: StepRows,
-              cache: EngineCache) -> StepOutput:
-        """The MTP draft layer over rows (h_prev, next token); updates the draft layer's planes."""
+              cache: EngineCache, shared_selection: torch.Tensor | None = None) -> StepOutput:
+        """The MTP draft layer over rows (h_prev, next token); updates the draft layer's planes.
+        ``shared_selection`` [N, W] (IndexShare): the trunk's selection for rows at positions the
+        trunk has computed, rows of -2 where the draft layer scores its own."""
         w, cfg = self.w, self.cfg
         mw = w.mtp
         dev = w.device
@@ -312,8 +348,9 @@ class Model:
 
         def put(p):
             cache.mtp = p
+        share = SelectionSlot(shared=shared_selection) if shared_selection is not None else None
         X, m = self._layer(self._streams(h_in, cfg.hc_streams), mw.layer, None, None, cache, rows,
-                           None, get, put)
+                           None, get, put, share)
         for sp in rows.spans:
             cache.mtp_lengths[sp.slot] = sp.start + sp.rows
         return StepOutput(self._read_out(m), m)

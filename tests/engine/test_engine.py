@@ -247,3 +247,50 @@ def test_weights_must_match_the_configuration():
     w32 = init_weights(TINY, seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="model_dtype"):
         Engine(EngineConfig(model="tiny", max_batch_size=2, max_num_tokens=64, max_seq_len=128), w32)
+
+
+def test_index_share_reuses_the_trunks_selection(weights, monkeypatch):
+    """IndexShare: every draft pass over rows the trunk just computed expands exactly the trunk's
+    last-QSA-layer selection at the same positions, and scores no index of its own for them; the
+    speculative rows past the trunk score their own. Speculation still never changes the tokens."""
+    from impl.model.ops import Ops
+    seen = []
+    real_expand, real_scores = Ops.qsa_expand, Ops.qsa_index_scores
+
+    def expand(self, selected, positions, context_lens, *, axes):
+        seen.append(("expand", selected.clone(), positions.clone()))
+        return real_expand(self, selected, positions, context_lens, axes=axes)
+
+    def scores(self, q_index, *a, axes):
+        seen.append(("scores", q_index.shape[0], None))
+        return real_scores(self, q_index, *a, axes=axes)
+    monkeypatch.setattr(Ops, "qsa_expand", expand)
+    monkeypatch.setattr(Ops, "qsa_index_scores", scores)
+    config = EngineConfig(model="tiny", max_batch_size=4, max_num_tokens=40, max_seq_len=MAX_LEN,
+                          batch_invariant=True,
+                          speculative=SpeculativeConfig(draft_length=3, index_share=True))
+    e = Engine(config, weights, log_calls=True)
+    shared = e.generate(_requests(LENGTHS, new=8))
+    # One QSA layer in the tiny trunk (layer 3) and one in the draft layer: one expansion a pass.
+    passes = [c for c in e.calls if c.kind != "commit"]
+    expands = [s for s in seen if s[0] == "expand"]
+    assert len(passes) == len(expands)
+    trunk_sel: dict[tuple[str, int], torch.Tensor] = {}
+    shared_rows = own_passes = 0
+    for call, (_, selected, positions) in zip(passes, expands):
+        keys = [(rid, start + i) for rid, start, ids, _ in call.spans for i in range(len(ids))]
+        if call.kind == "trunk":
+            trunk_sel = dict(zip(keys, selected))
+        elif call.spans[0][3] == "prefill":      # the draft layer reads rows the trunk computed
+            for key, row in zip(keys, selected):
+                assert torch.equal(row, trunk_sel[key]), key
+                shared_rows += 1
+        else:   # speculative rows past the committed trunk (maybe where a rejected row was)
+            own_passes += 1
+    assert shared_rows > 0 and own_passes > 0
+    # Index scores ran for trunk passes and the speculative draft rows only.
+    n_scores = sum(1 for s in seen if s[0] == "scores")
+    assert n_scores == sum(1 for c in passes if c.kind == "trunk") + own_passes
+    plain = _engine(weights).generate(_requests(LENGTHS, new=8))
+    for rid, res in plain.results.items():
+        assert shared.results[rid].tokens == res.tokens
