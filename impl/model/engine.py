@@ -113,6 +113,13 @@ class ModelCall:
     accepted: dict[str, int] | None = None        # commit: request id -> num_accepted
 
 
+@dataclass
+class VerifyPass:
+    plan: list[tuple[Sequence, str, int]]
+    spans: list[Span]
+    out: StepOutput
+
+
 class Engine:
     """Serves greedy generation for one model and one ``EngineConfig``."""
 
@@ -147,7 +154,10 @@ class Engine:
         self.step_kinds: dict[str, int] = {}
         self._arrivals = 0
         self.calls: list[ModelCall] | None = [] if log_calls else None
+        # Test hooks: force the accepted count of a verify (rid, greedy count) -> count; replace a
+        # request's drafts (rid, position of the first draft, drafts) -> drafts.
         self.force_accept: Callable[[str, int], int] | None = None
+        self.propose_hook: Callable[[str, int, list[int]], list[int]] | None = None
 
     # ------------------------------------------------------------------ requests
 
@@ -209,34 +219,67 @@ class Engine:
         plan = self._schedule()
         if not plan:
             return {}
-        spans, ids, row = [], [], 0
-        for seq, mode, n in plan:
-            start = self.cache.lengths[seq.slot]
-            if mode == "prefill":
-                toks = list(seq.prompt[seq.prompt_done:seq.prompt_done + n])
-            elif mode == "decode":
-                toks = [seq.pending]
-            else:
-                toks = [seq.pending, *seq.drafts]
-            # A 1-token prompt chunk is a decode row for the GDN layers (same function, per row).
-            gdn_mode = "decode" if (mode == "prefill" and n == 1) else mode
-            spans.append(Span(seq.slot, row, row + n, start, gdn_mode))
-            self.cache.ensure_pages(seq.slot, start + n)
-            ids += toks
-            row += n
-        rows = StepRows.build(spans)
+        spans, out = self._trunk_pass(plan)
         kind = ("verify" if plan[0][1] == "verify" else
                 "mixed" if {m for _, m, _ in plan} == {"decode", "prefill"} else
                 "context" if plan[0][1] == "prefill" else "decode")
         self.step_kinds[kind] = self.step_kinds.get(kind, 0) + 1
         self.steps += 1
-        ids_t = torch.tensor(ids, dtype=torch.int64)
-        out = self.model.trunk(ids_t, rows, self.cache)
-        self._log("trunk", plan, spans, ids, out)
         emitted = (self._after_verify(plan, spans, out) if kind == "verify"
                    else self._after_trunk(plan, spans, out))
         self._retire()
         return emitted
+
+    def _tokens(self, seq: Sequence, mode: str, n: int) -> list[int]:
+        if mode == "prefill":
+            return list(seq.prompt[seq.prompt_done:seq.prompt_done + n])
+        if mode == "decode":
+            return [seq.pending]
+        return [seq.pending, *seq.drafts[:n - 1]]
+
+    def _trunk_pass(self, plan: list[tuple[Sequence, str, int]]) -> tuple[list[Span], StepOutput]:
+        spans, ids, row = [], [], 0
+        for seq, mode, n in plan:
+            start = self.cache.lengths[seq.slot]
+            # A 1-token prompt chunk is a decode row for the GDN layers (same function, per row).
+            gdn_mode = "decode" if (mode == "prefill" and n == 1) else mode
+            spans.append(Span(seq.slot, row, row + n, start, gdn_mode))
+            self.cache.ensure_pages(seq.slot, start + n)
+            ids += self._tokens(seq, mode, n)
+            row += n
+        out = self.model.trunk(torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
+                               self.cache)
+        self._log("trunk", plan, spans, ids, out)
+        return spans, out
+
+    # ------------------------------------------------------------------ replay hooks
+
+    def sequence(self, request_id: str) -> Sequence:
+        for seq in self.running.values():
+            if seq.request.request_id == request_id:
+                return seq
+        raise KeyError(f"request {request_id!r} is not running")
+
+    def verify_pass(self, drafts: dict[str, list[int]]) -> VerifyPass:
+        """One verify pass over the named requests (arrival order): rows [pending, *drafts], all of
+        the same length; no acceptance, no commit. For replay tests: the trunk state afterwards holds
+        every row, as a step holds it before its commit."""
+        seqs = sorted((self.sequence(rid) for rid in drafts), key=lambda s: s.arrival)
+        widths = {len(drafts[s.request.request_id]) for s in seqs}
+        if len(widths) != 1:
+            raise ValueError("a verify pass runs the same number of rows for every request")
+        for seq in seqs:
+            seq.drafts = list(drafts[seq.request.request_id])
+        rows = widths.pop() + 1
+        plan = [(seq, "verify", rows) for seq in seqs]
+        spans, out = self._trunk_pass(plan)
+        return VerifyPass(plan, spans, out)
+
+    def commit_pass(self, vp: VerifyPass, num_accepted: dict[str, int]) -> None:
+        """Commit a verify pass: keep ``num_accepted[rid]`` rows of each request."""
+        counts = torch.tensor([num_accepted[seq.request.request_id] for seq, _, _ in vp.plan],
+                              dtype=torch.int64)
+        self._commit(vp.plan, vp.spans, vp.out, counts)
 
     def _log(self, kind, plan, spans, ids, out: StepOutput, h_prev=None) -> None:
         if self.calls is None:
@@ -383,6 +426,10 @@ class Engine:
             for j, (seq, _) in enumerate(finishing):
                 seq.drafts.append(int(greedy_argmax(out.logits[j])))
                 seq.draft_hidden = out.hidden[j:j + 1]
+        if self.propose_hook is not None:
+            for seq, _ in finishing:
+                first = cache.lengths[seq.slot] + 1
+                seq.drafts = list(self.propose_hook(seq.request.request_id, first, seq.drafts))
 
     def _retire(self) -> None:
         for slot, seq in list(self.running.items()):

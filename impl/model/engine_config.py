@@ -34,8 +34,9 @@ Decisions:
   has that axis) equals the configured one. The nearest such cell is the one reported. The rule reads
   the cells the catalog *declares*; whether their receipts are fresh is what ``explain`` reports, not a
   routing condition (a receipt goes stale on every code edit until the certification is re-run).
-  With today's catalog: K = 7 needs an 8-row gdn_verify cell, which exists for an fp32 state
-  (r8_b2_fp32) but not for bf16 (the widest bf16 cell has 4 rows), so bf16 state is certified to K = 3.
+  With today's catalog: K = 7 needs an 8-row gdn_verify cell and a draft-7 rollback_commit cell of
+  the configured state dtype; both exist for fp32 and bf16 states (r8_b2_fp32, r8_b2_bf16; k7_b4_fp32,
+  k7_b2_bf16).
 - The nvfp4 rule follows the change description: nvfp4 KV needs chunked prefill, block reuse or
   speculation (at least one of them), and is refused with none.
 - ``max_batch_size`` must lie in the reach of every catalog ``batch`` axis, ``max_seq_len`` in every

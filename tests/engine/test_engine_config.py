@@ -86,9 +86,13 @@ def test_draft_length_within_model():
 
 
 def test_verify_width_bf16_state_k7_refused():
-    # the widest bf16 gdn_verify / rollback_commit cells hold draft length 3
-    assert check(EngineConfig(state_dtype="bf16", speculative=spec(3))) == []
-    r = only(EngineConfig(state_dtype="bf16", speculative=spec(7)))
+    # without the 8-row bf16 cells the widest bf16 gdn_verify / rollback_commit cells hold K = 3
+    ctx = default_context(EngineConfig())
+    assert check(EngineConfig(state_dtype="bf16", speculative=spec(7)), ctx) == []
+    narrow = _without_cell(_without_cell(ctx, "gdn_verify", "r8_b2_bf16"), "rollback_commit",
+                           "k7_b2_bf16")
+    assert check(EngineConfig(state_dtype="bf16", speculative=spec(3)), narrow) == []
+    r = only(EngineConfig(state_dtype="bf16", speculative=spec(7)), narrow)
     assert r.rule == "verify_width_certified"
     assert r.reason == (
         "draft length 7 needs a cell of gdn_verify's variant 'torch' on cpu with rows >= 8 with "
@@ -174,7 +178,7 @@ def test_explain_accepted_lists_variant_per_op():
     for name in ctx.catalog.ops:
         assert f"\n  {name}: " in text
     assert ("  gdn_verify: torch (dispatch at {'batch': 8, 'state_dtype': 'float32', 'rows': 4}); "
-            "NOT certified receipt at 0/4 cell(s) on cpu") in text
+            "NOT certified receipt at 0/5 cell(s) on cpu") in text
     assert "  gdn_verify: certified by gdn_verify::torch::r4_b16_fp32 (rows=4)" in text
     no_spec = explain(EngineConfig(model="tiny"), ctx, receipts={})
     assert "  gdn_verify: not run (speculation off)" in no_spec
