@@ -182,9 +182,12 @@ class EngineCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, slots: int, max_seq_len: int, act: torch.dtype,
                  kv_dtype: str, state_dtype: torch.dtype, device: torch.device,
-                 with_mtp: bool) -> EngineCache:
+                 with_mtp: bool, num_pages: int | None = None) -> EngineCache:
+        """``num_pages``: the size of the shared page pool; default every slot at ``max_seq_len`` (the
+        reach tracer gives a step only the pages its requests hold: a 128-slot pool at 131K tokens
+        would be a gigabyte of host-side position planes for shapes alone)."""
         pages_per_slot = -(-max_seq_len // PAGE)
-        num_pages = slots * pages_per_slot
+        num_pages = slots * pages_per_slot if num_pages is None else num_pages
         store = torch.float64 if act == torch.float64 else state_dtype
         layers: list[GDNPool | QsaPlanes] = []
         for kind in cfg.layer_kinds():

@@ -6,6 +6,14 @@ form in spec/ops/); any other variant runs in the variant calling convention of 
 then output buffers as keywords, written in place). An op whose only bindable variants are references
 refuses any other variant with a clear error rather than guessing its calling convention.
 
+Shape-only mode (``Ops(dispatcher, shape_only=True)``, the reach tracer over meta weights): every op is
+dispatched exactly as in a real run (the trace records the same calls), but an op whose spec reads
+values with Python branches runs a stand-in with the spec's output shapes and dtypes: the canonical
+block selection (the window plus the lowest candidate blocks, on the host as the engine keeps it), the
+token expansion, the routed experts (the same GEMM shapes on empty dense weights), the KV codecs'
+quantisers and dequantisers, and greedy verification. Spec functions whose loops only cost time have
+their own ``# meta:`` fast paths in spec/.
+
 Storage conventions (the engine's state, updated here in place):
 - ``state_pool`` [slots, HV, d_k, d_v] in the storage dtype; decode writes the rows at ``slots``.
 - ``conv`` [slots, channels, 3] in the activation dtype.
@@ -27,6 +35,8 @@ from spec.ops import norms as spec_norms
 from spec.ops import ple as spec_ple
 from spec.ops import qsa as spec_qsa
 from spec.ops import rope as spec_rope
+from spec.ops.kv_storage import FP8_DTYPE, NVFP4_BLOCK
+from spec.ops.qsa import TOKENS_PER_BLOCK, selection_width
 
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
               torch.float16: "float16"}
@@ -35,8 +45,9 @@ DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float6
 class Ops:
     """The ops the forward calls, each dispatched through ``dispatcher``."""
 
-    def __init__(self, dispatcher: Dispatcher):
+    def __init__(self, dispatcher: Dispatcher, *, shape_only: bool = False):
         self.d = dispatcher
+        self.shape_only = shape_only
 
     # ------------------------------------------------------------------ helpers
 
@@ -93,6 +104,8 @@ class Ops:
         self._reference("moe", tokens=u.shape[0], experts=w.router.shape[0], hidden=u.shape[-1],
                         expert_inter=e.intermediate, shared_inter=w.shared.w_gate.shape[0],
                         top_k=top_k)
+        if self.shape_only:
+            return _moe_shape_only(u, w, top_k)
         return spec_moe.moe(u, w.router, w.experts, w.shared, top_k)
 
     def logits_cast(self, logits: torch.Tensor) -> torch.Tensor:
@@ -111,6 +124,10 @@ class Ops:
         self._reference("greedy_verify", batch=logits.shape[0], draft=drafts.shape[1],
                         vocab=logits.shape[-1],
                         ragged=bool((draft_lens != drafts.shape[1]).any()))
+        if self.shape_only:  # no logits to compare: every draft accepted (the caller may override)
+            R, rows = drafts.shape[0], drafts.shape[1] + 1
+            emitted = torch.cat([drafts, torch.zeros(R, 1, dtype=torch.int64)], dim=1)
+            return spec_mtp.VerifyResult(emitted.clone(), draft_lens + 1, emitted)
         return spec_mtp.greedy_verify(logits, drafts, draft_lens)
 
     def rollback_commit(self, records: dict[str, torch.Tensor], num_accepted: torch.Tensor,
@@ -128,6 +145,20 @@ class Ops:
             return None, None, None, None
         op = "kv_fp8" if kv_dtype == "fp8" else "kv_nvfp4"
         axes = dict(kv_heads=kv_heads, head_dim=head_dim, act_dtype=DTYPE_NAME[act])
+
+        if self.shape_only:  # the quantisers check values: store and load shapes only
+            def store_shape(x):
+                self._reference(op, tokens=x.shape[0], **axes)
+                lead, dev = x.shape[:-1], x.device
+                if kv_dtype == "fp8":
+                    return (torch.empty(x.shape, dtype=FP8_DTYPE, device=dev),)
+                return (torch.empty(*lead, head_dim // 2, dtype=torch.uint8, device=dev),
+                        torch.empty(*lead, head_dim // NVFP4_BLOCK, dtype=FP8_DTYPE, device=dev))
+
+            def load_shape(parts, dtype):
+                return torch.empty(*parts[0].shape[:-1], head_dim, dtype=dtype,
+                                   device=parts[0].device)
+            return store_shape, store_shape, load_shape, load_shape
 
         if kv_dtype == "fp8":
             def store(x):
@@ -178,10 +209,15 @@ class Ops:
 
     def qsa_select(self, scores, positions, top_k, sink, local, *, axes: dict):
         self._reference("qsa_select", **axes)
+        if self.shape_only:
+            return _select_shape_only(positions, top_k, sink, local)
         return spec_qsa.qsa_select(scores, positions, top_k, sink, local)
 
     def qsa_expand(self, selected, positions, context_lens, *, axes: dict):
         self._reference("qsa_expand", **axes)
+        if self.shape_only:  # [N, 32 W] token ids; qsa_sparse_gqa's meta path reads no values
+            return torch.empty(selected.shape[0], TOKENS_PER_BLOCK * selected.shape[1],
+                               dtype=torch.int64, device="meta")
         return spec_qsa.qsa_expand(selected, positions, context_lens)
 
     def qsa_sparse_gqa(self, q, gate, tokens, seq_ids, block_table, planes, load_k, load_v, *,
@@ -257,3 +293,41 @@ class Ops:
         final = torch.empty_like(state)
         fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out=out, final_state=final)
         return out, final
+
+
+# ---------------------------------------------------------------------- shape-only stand-ins
+
+
+def _select_shape_only(positions: torch.Tensor, k: int, sink: int, local: int) -> torch.Tensor:
+    """``qsa_select``'s shape and per-row count without scores to rank, on the host (int64 [N, W]):
+    the window plus the lowest min(k, candidates) candidate blocks, ascending, -1 padded. Vectorised:
+    a prefill chunk has thousands of rows."""
+    t = positions.long().cpu()
+    own, done = t // TOKENS_PER_BLOCK, (t + 1) // TOKENS_PER_BLOCK
+    sink_end = torch.minimum(torch.full_like(own, sink), own + 1)       # sink blocks [0, sink_end)
+    local_lo = (own - local + 1).clamp(min=0)                          # local blocks [local_lo, own]
+    cand_end = torch.minimum(torch.minimum(sink_end + k, local_lo.clamp(min=sink_end)), done)
+    cand_end = torch.maximum(cand_end, sink_end)                       # candidates [sink_end, cand_end)
+    width = selection_width(k, sink, local)
+    col = torch.arange(width)[None, :]
+    n_low = cand_end[:, None]                                          # blocks 0 .. cand_end - 1
+    n_local = (own + 1 - torch.maximum(local_lo, cand_end))[:, None]   # then local_lo' .. own
+    low = torch.where(col < n_low, col, -1)
+    high = torch.maximum(local_lo, cand_end)[:, None] + (col - n_low)
+    return torch.where(col < n_low, low, torch.where(col < n_low + n_local, high, -1))
+
+
+def _moe_shape_only(u: torch.Tensor, w, top_k: int) -> torch.Tensor:
+    """``moe``'s shapes without expert ids to branch on: the routing as is, the k routed experts as
+    dense GEMMs of the experts' shapes on empty weights, the shared expert as is."""
+    acc = torch.float64 if u.dtype == torch.float64 else torch.float32
+    ids, weights = spec_moe.moe_route(u, w.router, top_k)
+    E = w.experts
+    gate_w, up_w = (torch.empty(E.intermediate, E.hidden, dtype=acc, device=u.device) for _ in "gu")
+    down_w = torch.empty(E.hidden, E.intermediate, dtype=acc, device=u.device)
+    # One expert's GEMMs stand for all k: with no ids, the k slots differ in nothing but time.
+    h = torch.nn.functional.silu(u.to(acc) @ gate_w.T) * (u.to(acc) @ up_w.T)
+    routed = weights.sum(dim=-1, keepdim=True) * (h @ down_w.T)
+    s = w.shared
+    shared = spec_moe.moe_shared_expert(u, s.w_gate, s.w_up, s.w_down, s.w_sg)
+    return (routed + shared.to(acc)).to(u.dtype)

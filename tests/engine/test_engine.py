@@ -140,17 +140,26 @@ def _errors_vs(passes64, passes_lowp):
     return out
 
 
-@pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", None), ("fp8", "bf16", None),
-                                        ("nvfp4", "fp32", 3)])
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("bf16", "bf16"), ("fp8", "fp32"),
+                                      ("fp8", "bf16"), ("nvfp4", "fp32"), ("nvfp4", "bf16")])
+@pytest.mark.parametrize("k", [None, 3])
 def test_default_mode_within_derived_tolerance(weights, kv, state, k):
-    """Default mode: the GDN ops run their torch variants (certified to the same bands as the spec's
-    own bf16 path). Derivation: both the engine and the reference run the bf16 model with the same
-    rounding points, differing only in the order of fp32 sums inside the GDN ops, so each pass's
-    logits lie about as far from the float64 ideal of the same weights as the reference's bf16 logits
-    do. The bound: engine error <= 2 x reference error + 2^-9 (one bf16 half-ulp of relative RMS, for
-    passes where the reference happens to be closer than typical). A wrong slot, page or commit moves
-    logits by order 1, hundreds of times this."""
-    e = _engine(weights, kv=kv, state=state, k=k, invariant=False)
+    """Default mode: the GDN ops run their torch variants, certified to the same bands as the spec's
+    own bf16 path, so each pass's logits should lie about as far from the float64 ideal of the same
+    weights as the reference's bf16 logits do. That distance is large on this random-weight model
+    (10-38% relative RMS, measured): the expert inputs are quantised to nvfp4, where a bf16-sized
+    difference moves a value by a whole 4-bit step, and routing flips. So the bound is relative to
+    it: engine error <= 2 x reference error + 2^-9 (half a bf16 ulp, for passes where both are tiny).
+    Measured: at most 1.10x (nvfp4 KV, fp32 state); a slot that keeps its previous request's GDN state
+    measured 4.3x at its first pass (test_planted_stale_state_fails_the_tolerance)."""
+    worst = _default_mode_ratio(weights, kv, state, k)
+    assert worst[0] <= 2 * worst[1] + 2 ** -9, (
+        f"pass {worst[2]}: engine {worst[0]:.3g} vs reference {worst[1]:.3g}")
+
+
+def _default_mode_ratio(weights, kv, state, k, batch=4):
+    """(engine error, reference error, pass) of the pass where the engine is furthest over 2x."""
+    e = _engine(weights, kv=kv, state=state, k=k, invariant=False, batch=batch)
     e.generate(_requests(LENGTHS))
     assert any(v != "spec_lowp" for vs in e.dispatcher.variants_ran().values() for v in vs)
     lowp = _replay(e, weights)
@@ -159,8 +168,15 @@ def test_default_mode_within_derived_tolerance(weights, kv, state, k):
     err_engine = _errors_vs(ideal, [type(p)(p.what, p.engine_logits, p.engine_logits) for p in lowp])
     err_spec = [((p.spec_logits.double() - q.spec_logits).pow(2).mean().sqrt()
                  / q.spec_logits.pow(2).mean().sqrt()).item() for p, q in zip(lowp, ideal)]
-    for i, (a, b) in enumerate(zip(err_engine, err_spec)):
-        assert a <= 2 * b + 2 ** -9, f"pass {i} ({lowp[i].what}): engine {a:.3g} vs reference {b:.3g}"
+    i = max(range(len(lowp)), key=lambda j: err_engine[j] - 2 * err_spec[j])
+    return err_engine[i], err_spec[i], f"{i} ({lowp[i].what})"
+
+
+def test_planted_stale_state_fails_the_tolerance(weights, monkeypatch):
+    """Three requests on two slots, the third keeping the GDN state of the request before it."""
+    monkeypatch.setattr(engine_mod.GDNPool, "reset", lambda self, slot: None)
+    got, ref, where = _default_mode_ratio(weights, "bf16", "fp32", None, batch=2)
+    assert got > 2 * ref + 2 ** -9, (got, ref, where)
 
 
 # ---------------------------------------------------------------- planted bugs
@@ -228,9 +244,10 @@ def test_bad_request_fails_alone(weights):
         assert mixed.results[r.request_id].error is None
 
 
-def test_forced_acceptance_gives_exact_acceptance_lengths(weights):
-    for forced, want in ((lambda rid, a: 1, 1.0), (lambda rid, a: 4, 4.0)):
-        e = _engine(weights, k=3)
+@pytest.mark.parametrize("k", [1, 3, 7])
+def test_forced_acceptance_gives_exact_acceptance_lengths(weights, k):
+    for forced, want in ((lambda rid, a: 1, 1.0), (lambda rid, a: k + 1, float(k + 1))):
+        e = _engine(weights, k=k, budget=48)
         e.force_accept = forced
         rep = e.generate(_requests([12, 40], new=9))
         assert rep.acceptance_length == want

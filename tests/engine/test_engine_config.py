@@ -237,3 +237,20 @@ def test_cli_generate(capsys):
     out = capsys.readouterr().out
     assert "req0: REJECTED" in out and "req1: [" in out and "req2: [" in out
     assert cli.main(["generate", "--random-weights", "--preset", "target", "--prompt", "a"]) == 2
+
+
+def test_cli_generate_from_a_checkpoint(tmp_path, capsys):
+    import torch
+
+    from impl.model.checkpoint import save_checkpoint
+    from spec.config import ModelConfig
+    from spec.model import init_weights
+    cfg = ModelConfig.tiny()
+    path = tmp_path / "tiny.safetensors"
+    save_checkpoint(path, init_weights(cfg, seed=3, dtype=torch.bfloat16), cfg)
+    args = ["generate", "--checkpoint", str(path), "--max-batch-size", "2", "--max-num-tokens",
+            "32", "--max-seq-len", "128", "--prompt", "abc", "--max-new-tokens", "3",
+            "--batch-invariant"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "3 tokens in" in out and "gdn_decode=spec_lowp" in out

@@ -1,0 +1,371 @@
+"""This target's reach tracer: one scenario -> the engine's forward at the target geometry, on meta
+tensors (no memory, no GPU), with every op call recorded (``[tool.certify] tracer`` names ``TRACER``).
+
+A scenario (certify/scenarios.yaml, validated by ``Scenario``) is one engine step and what follows it:
+decode rows, prompt chunks (a context step, or a mixed step next to decode rows) or an MTP verify step
+(K + 1 rows a request), each request at a stated length. The tracer builds that step as the engine
+does (``Engine.step``: decode rows first in arrival order, then the prompt chunks; a 1-row chunk is a
+decode row for the GDN layers) and runs ``Model.trunk`` over an ``EngineCache`` allocated on meta, its
+requests holding their earlier tokens (positions and block keys set on the host planes, as if stored).
+With speculation it then runs what ``Engine._after_verify`` / ``_after_trunk`` run: greedy
+verification and the commit (``rollback_commit`` per GDN layer and for the PLE history, planes
+truncated to the accepted length), then ``Engine._draft``: the draft layer over the kept rows (with
+IndexShare, the trunk's last QSA selection for them) and K - 1 one-row draft passes. Values do not exist
+on meta, so acceptance is the scenario's ``accepted`` and ops that branch on values run their
+shape-only stand-ins (``Ops(shape_only=True)``, and the spec's ``# meta:`` fast paths).
+
+One forward serves every mode: the forward runs the reference variants (the spec's paths, which have the
+meta fast paths) and records each call's axes; the variant each (arch, batch-invariant) mode runs is then
+chosen by a ``Dispatcher`` for that mode from the same calls. That is sound because the engine's op calls
+and their axes never depend on the variant chosen (``Ops`` binds every variant in one calling
+convention). A mode the engine would refuse (``engine_config.check`` for the scenario's configuration on
+that arch) is recorded as refused with the rules' reasons, as ``Engine`` would refuse it.
+
+The step construction mirrors engine.py's and is checked against it: tests/framework/test_reach.py runs
+the real engine on the tiny geometry and compares the ops and axis names it dispatches with this
+driver's on the same geometry.
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import lru_cache
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from certify.catalog import Catalog
+from certify.reach import Mode, ModeTrace
+from certify.scenarios import ScenarioBase
+from impl.model.cache import PAGE, EngineCache, GDNPool, scrub_pages, truncate_planes
+from impl.model.dispatch import DispatchError, Dispatcher, OpCall
+from impl.model.engine_config import EngineConfig, RuleContext, SpeculativeConfig, check
+from impl.model.model import Model, Span, StepOutput, StepRows
+from impl.model.ops import DTYPE_NAME, Ops
+from spec.config import ModelConfig
+from spec.model import Weights, init_weights
+from spec.ops.qsa import QsaPlanes
+
+META = torch.device("meta")
+_STATE = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class Requests(_Strict):
+    """``requests`` requests, each holding ``context`` tokens after the step."""
+
+    requests: int = Field(ge=1)
+    context: int = Field(ge=1)
+
+
+class Chunk(_Strict):
+    """One prompt chunk of ``chunk`` rows ending at token ``context`` of its prompt."""
+
+    chunk: int = Field(ge=1)
+    context: int = Field(ge=1)
+    last: bool = Field(True, description="the chunk ends the prompt (a token is emitted; with "
+                                         "speculation the request then drafts)")
+
+    @model_validator(mode="after")
+    def _fits(self) -> Chunk:
+        if self.chunk > self.context:
+            raise ValueError(f"a chunk of {self.chunk} rows cannot end at token {self.context}")
+        return self
+
+
+class Scenario(ScenarioBase):
+    """One engine step of the target model (and, with speculation, the draft passes after it)."""
+
+    decode: tuple[Requests, ...] = ()
+    prefill: tuple[Chunk, ...] = ()
+    verify: tuple[Requests, ...] = ()
+    kv_dtype: Literal["bf16", "fp8", "nvfp4"] = "bf16"
+    state_dtype: Literal["fp32", "bf16"] = "fp32"
+    draft_length: int | None = Field(None, ge=1, le=7)
+    accepted: int | None = Field(None, ge=0, le=7, description="verify: drafts accepted a request "
+                                                               "(default: all)")
+    index_share: bool = False
+    max_num_tokens: int = Field(8192, ge=1)
+
+    @model_validator(mode="after")
+    def _one_engine_step(self) -> Scenario:
+        if not (self.decode or self.prefill or self.verify):
+            raise ValueError("a scenario needs decode, prefill or verify rows")
+        k = self.draft_length
+        if self.verify and not k:
+            raise ValueError("verify rows need draft_length (K + 1 rows a request)")
+        if self.verify and (self.decode or self.prefill):
+            raise ValueError("a verify step holds verify rows only (the engine's verify steps wait "
+                             "for prompts to finish)")
+        if k and self.decode:
+            raise ValueError("with speculation the engine never runs one-row decode steps: use verify")
+        if self.accepted is not None and (not self.verify or self.accepted > k):
+            raise ValueError("accepted applies to verify rows and is at most draft_length")
+        if self.index_share and not k:
+            raise ValueError("index_share needs speculation (draft_length)")
+        for g in self.verify:
+            if g.context < k + 1:
+                raise ValueError(f"a verify request at context {g.context} cannot hold K + 1 rows")
+        if self.rows > self.max_num_tokens:
+            raise ValueError(f"the step's {self.rows} rows exceed max_num_tokens {self.max_num_tokens}")
+        return self
+
+    @property
+    def rows(self) -> int:
+        k1 = (self.draft_length or 0) + 1
+        return (sum(g.requests for g in self.decode) + sum(c.chunk for c in self.prefill)
+                + sum(g.requests for g in self.verify) * k1)
+
+    @property
+    def requests(self) -> int:
+        return (sum(g.requests for g in self.decode) + len(self.prefill)
+                + sum(g.requests for g in self.verify))
+
+    @property
+    def max_context(self) -> int:
+        return max([g.context for g in (*self.decode, *self.verify)]
+                   + [c.context for c in self.prefill])
+
+    def engine_config(self, mode: Mode) -> EngineConfig:
+        """The configuration an engine serving this step runs with, in ``mode``."""
+        spec = (SpeculativeConfig(draft_length=self.draft_length, index_share=self.index_share)
+                if self.draft_length else None)
+        return EngineConfig(model="target", kv_cache_dtype=self.kv_dtype,
+                            state_dtype=self.state_dtype, max_batch_size=self.requests,
+                            max_num_tokens=self.max_num_tokens, max_seq_len=self.max_context,
+                            speculative=spec, batch_invariant=mode.batch_invariant)
+
+
+# ------------------------------------------------------------------------------------- the forward
+
+
+@lru_cache(maxsize=1)
+def _target() -> tuple[ModelConfig, Weights]:
+    cfg = ModelConfig.target()
+    return cfg, init_weights(cfg, dtype=torch.bfloat16, device=META)
+
+
+class _ReferenceDispatcher(Dispatcher):
+    """Chooses each op's reference variant (``impl: spec``) whatever the arch: the forward that records
+    the calls runs the spec's paths, which run on meta; the modes' choices are made afterwards."""
+
+    def candidates(self, name: str):
+        return [v for v in self.op(name).variants if v.impl == "spec"]
+
+
+def index_share_honoured() -> bool:
+    """Whether the engine's model passes the trunk's selection to the draft layer (IndexShare)."""
+    return ("selection" in StepOutput.__dataclass_fields__
+            and len(inspect.signature(Model.draft).parameters) >= 6)
+
+
+
+class _Forward:
+    """One scenario's passes over a fresh meta cache, recording every op call."""
+
+    def __init__(self, sc: Scenario, catalog: Catalog, cfg: ModelConfig, weights: Weights):
+        self.sc, self.cfg, self.k = sc, cfg, sc.draft_length or 0
+        self.d = _ReferenceDispatcher(catalog, "cpu", batch_invariant=True)
+        self.model = Model(weights, cfg, Ops(self.d, shape_only=True))
+        self.ops = self.model.ops
+        self.share = sc.index_share and index_share_honoured()
+        # (slot, rows, start, GDN mode, ends its prompt) in the engine's row order: decode rows in
+        # arrival order, then the prompt chunks (Engine._schedule); verify steps hold verify rows only.
+        plan: list[tuple[int, int, int, str, bool]] = []
+        for g in sc.decode:
+            plan += [(len(plan) + i, 1, g.context - 1, "decode", True) for i in range(g.requests)]
+        for c in sc.prefill:  # a 1-row chunk is a decode row for the GDN layers (Engine.step)
+            plan.append((len(plan), c.chunk, c.context - c.chunk,
+                         "decode" if c.chunk == 1 else "prefill", c.last))
+        for g in sc.verify:
+            plan += [(len(plan) + i, self.k + 1, g.context - self.k - 1, "verify", True)
+                     for i in range(g.requests)]
+        self.plan = plan
+        self.cache = self._cache(weights)
+
+    def _cache(self, weights: Weights) -> EngineCache:
+        """A pool with the pages the requests hold (``Engine`` sizes it for max_seq_len a slot), each
+        request holding its tokens before the step: pages taken and scrubbed as ``ensure_pages`` does,
+        positions and block keys of the earlier tokens marked stored on the host planes."""
+        sc, k = self.sc, self.k
+        per_slot = -(-(sc.max_context + k + 1) // PAGE)
+        need = sum(-(-(start + rows + k + 1) // PAGE) for _, rows, start, _, _ in self.plan)
+        cache = EngineCache.allocate(self.cfg, len(self.plan), sc.max_context + k + 1, weights.dtype,
+                                     sc.kv_dtype, _STATE[sc.state_dtype], META, with_mtp=bool(k),
+                                     num_pages=min(need, len(self.plan) * per_slot))
+        taken: list[int] = []
+        for slot, rows, start, _, _ in self.plan:
+            cache.assign(slot)
+            taken += cache.pages.ensure(slot, start + rows)
+            cache.lengths[slot] = cache.mtp_lengths[slot] = start
+        planes = [*cache.qsa_indices(), None] if cache.mtp is not None else cache.qsa_indices()
+        for i in planes:
+            p = scrub_pages(cache.layers[i] if i is not None else cache.mtp, taken)
+            p = self._mark_stored(p, cache)
+            if i is None:
+                cache.mtp = p
+            else:
+                cache.layers[i] = p
+        return cache
+
+    def _mark_stored(self, p: QsaPlanes, cache: EngineCache) -> QsaPlanes:
+        pos, valid = p.pos_plane.clone(), p.block_key_valid.clone()
+        table = cache.pages.block_table
+        for slot, _, start, _, _ in self.plan:
+            if start:
+                t = torch.arange(start)
+                pos[table[slot, t // PAGE].long(), t % PAGE] = t.to(pos.dtype)
+                valid[table[slot, :start // PAGE].long()] = True
+        return p._replace(pos_plane=pos, block_key_valid=valid)
+
+    def run(self) -> list[OpCall]:
+        self.d.start_trace()
+        spans = [Span(slot, lo, lo + rows, start, mode) for (slot, rows, start, mode, _), lo in
+                 zip(self.plan, _offsets([rows for _, rows, _, _, _ in self.plan]))]
+        out = self.model.trunk(torch.zeros(sum(sp.rows for sp in spans), dtype=torch.int64),
+                               StepRows.build(spans), self.cache)
+        if self.sc.verify:
+            self._after_verify(spans, out)
+        elif self.k:  # a context step with speculation: the draft layer reads the chunks' rows
+            self._draft([(sp, last) for sp, (_, _, _, _, last) in zip(spans, self.plan)], out)
+        return self.d.stop_trace()
+
+    def _after_verify(self, spans: list[Span], out: StepOutput) -> None:
+        """``Engine._after_verify`` and ``_commit``: greedy verification, the commit of row
+        ``accepted`` of every request, then the draft layer over the kept rows."""
+        k, cache, ops = self.k, self.cache, self.ops
+        R = len(spans)
+        ops.greedy_verify(out.logits.view(R, k + 1, -1), torch.zeros(R, k, dtype=torch.int64),
+                          torch.full((R,), k, dtype=torch.int64))
+        a = self.sc.accepted if self.sc.accepted is not None else k
+        num_accepted = torch.full((R,), a + 1, dtype=torch.int64)
+        rec, slots = out.record, [sp.slot for sp in spans]
+        for li, layer in enumerate(cache.layers):
+            if isinstance(layer, GDNPool):
+                states = torch.stack([rec.states[li][s] for s in slots])
+                windows = torch.stack([rec.windows[li][s] for s in slots])
+                kept = ops.rollback_commit({"gdn_state": states, "conv_window": windows}, num_accepted,
+                                           state_dtype=DTYPE_NAME[layer.state.dtype],
+                                           value_heads=states.shape[2], head_dim=states.shape[-1],
+                                           conv_channels=windows.shape[2])
+                idx = torch.tensor(slots, device=layer.state.device)
+                layer.state[idx] = kept["gdn_state"].to(layer.state.dtype)
+                layer.conv[idx] = kept["conv_window"].to(layer.conv.dtype)
+        ops.rollback_commit({"h": torch.stack([rec.ple_history[s] for s in slots])}, num_accepted)
+        for sp in spans:
+            keep = sp.start + a + 1
+            for li in cache.qsa_indices():
+                cache.layers[li] = truncate_planes(cache.layers[li], cache.pages.block_table[sp.slot],
+                                                   keep, sp.start + sp.rows)
+            cache.lengths[sp.slot] = keep
+        self._draft([(Span(sp.slot, sp.lo, sp.lo + a + 1, sp.start, "prefill"), True) for sp in spans],
+                    out)
+
+    def _draft(self, items: list[tuple[Span, bool]], trunk: StepOutput) -> None:
+        """``Engine._draft``: the draft layer reads the rows (h_t, x_{t+1}) (IndexShare: with the
+        trunk's selection), then requests whose next token is known draft K - 1 more rows."""
+        cache, k = self.cache, self.k
+        spans, h_rows, sel_rows = [], [], []
+        for (sp, _), lo in zip(items, _offsets([sp.rows for sp, _ in items])):
+            if cache.mtp_lengths[sp.slot] > sp.start:  # the previous round's speculative rows
+                cache.mtp = truncate_planes(cache.mtp, cache.pages.block_table[sp.slot], sp.start,
+                                            cache.mtp_lengths[sp.slot])
+                cache.mtp_lengths[sp.slot] = sp.start
+            spans.append(Span(sp.slot, lo, lo + sp.rows, sp.start, "prefill"))
+            h_rows.append(trunk.hidden[sp.lo:sp.hi])
+            if self.share:
+                sel_rows.append(trunk.selection[sp.lo:sp.hi])
+        extra = (torch.cat(sel_rows),) if self.share else ()
+        rows = StepRows.build(spans)
+        out = self.model.draft(torch.cat(h_rows), torch.zeros(rows.rows, dtype=torch.int64), rows,
+                               cache, *extra)
+        finishing = [sp for sp, (_, last) in zip(spans, items) if last]
+        if not finishing:
+            return
+        h = torch.cat([out.hidden[sp.hi - 1:sp.hi] for sp in finishing])
+        for _ in range(k - 1):
+            step = [Span(sp.slot, j, j + 1, cache.mtp_lengths[sp.slot], "decode")
+                    for j, sp in enumerate(finishing)]
+            for sp in step:
+                cache.ensure_pages(sp.slot, sp.start + 1)
+            out = self.model.draft(h, torch.zeros(len(step), dtype=torch.int64), StepRows.build(step),
+                                   cache)
+            h = out.hidden
+
+
+def _offsets(sizes: list[int]) -> list[int]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(at)
+        at += n
+    return out
+
+
+def forward_calls(sc: Scenario, catalog: Catalog, cfg: ModelConfig | None = None,
+                  weights: Weights | None = None) -> list[OpCall]:
+    """Every op call of the scenario's passes, in order (reference variants; see the module doc).
+    ``cfg`` / ``weights`` default to the target geometry on meta (the driver test passes others)."""
+    if cfg is None or weights is None:
+        cfg, weights = _target()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # host-side index work on small tensors: threads only add overhead
+    try:
+        return _Forward(sc, catalog, cfg, weights).run()
+    finally:
+        torch.set_num_threads(threads)
+
+
+# ------------------------------------------------------------------------------------- the tracer
+
+
+class Tracer:
+    """``[tool.certify] tracer``: what certify.reach asks of a target."""
+
+    scenario_model = Scenario
+
+    def describe(self) -> dict:
+        cfg = ModelConfig.target()
+        kinds = cfg.layer_kinds()
+        return {
+            "forward": "impl.model.model.Model.trunk and Model.draft on meta tensors "
+                       "(impl/model/trace.py)",
+            "geometry": f"ModelConfig.target(): hidden {cfg.hidden}, {kinds.count('gdn')} GDN + "
+                        f"{kinds.count('qsa')} QSA layers, {cfg.num_experts} experts, vocabulary "
+                        f"{cfg.vocab_size}, bf16 weights",
+            "index_share": ("the draft layer takes the trunk's last QSA selection for the rows the "
+                            "trunk computed" if index_share_honoured() else
+                            "NOT honoured by the engine yet: scenarios with index_share trace as "
+                            "without it"),
+        }
+
+    def trace(self, scenario: Scenario, catalog: Catalog, modes: list[Mode]) -> dict[str, ModeTrace]:
+        cfg = ModelConfig.target()
+        out: dict[str, ModeTrace] = {}
+        runnable = []
+        for mode in modes:
+            refusals = check(scenario.engine_config(mode), RuleContext(cfg, catalog, mode.arch))
+            if refusals:
+                out[mode.key] = ModeTrace(refused="; ".join(map(str, refusals)))
+            else:
+                runnable.append(mode)
+        if not runnable:
+            return out
+        calls = forward_calls(scenario, catalog)
+        for mode in runnable:
+            d = Dispatcher(catalog, mode.arch, batch_invariant=mode.batch_invariant)
+            d.start_trace()
+            try:
+                for c in calls:
+                    d.choose(c.op, **dict(c.axes))
+            except DispatchError as e:
+                out[mode.key] = ModeTrace(error=str(e))
+                continue
+            out[mode.key] = ModeTrace(calls=[(c.op, c.variant, dict(c.axes)) for c in d.stop_trace()])
+        return out
+
+
+TRACER = Tracer()
