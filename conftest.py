@@ -1,4 +1,4 @@
-"""Root pytest wiring: the certification plugin and the hypothesis profiles.
+"""Root pytest wiring: the certification plugins (cells, gates) and the hypothesis profiles.
 
 `HYPOTHESIS_PROFILE=thorough pytest ...` runs the property tests with many more examples; the default
 `ci` profile is fast, deterministic (derandomized) and has no deadline (two shared CPU cores jitter).
@@ -25,4 +25,4 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-pytest_plugins = ["certify.pytest_plugin"]
+pytest_plugins = ["certify.pytest_plugin", "certify.gates_plugin"]

@@ -36,6 +36,12 @@ def choose_triton_mode() -> None:
         os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+def is_runtime_arch(arch: str) -> bool:
+    """Whether a forward can dispatch for ``arch``: ``cpu-interpret`` certifies Triton kernels through
+    the interpreter on behalf of a GPU arch, but no engine runs on it (``runtime_arch``)."""
+    return arch != "cpu-interpret"
+
+
 def present_archs() -> list[str]:
     archs = ["cpu"]
     if interpreter_available():

@@ -5,14 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import yaml
 from pydantic import ValidationError
 
 from certify.plan import variants_of_cell
 from certify.rules import rule_names
 from certify.schema import OpFile
+from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 
 
 @dataclass(frozen=True)
@@ -33,38 +31,6 @@ class Catalog:
     errors: list[CatalogError] = field(default_factory=list)
 
 
-_CONSTRUCTOR = yaml.SafeLoader("")  # builds Python values from already-composed scalar nodes
-
-
-def _to_python(node: yaml.Node, path: tuple, lines: dict[tuple, int]) -> Any:
-    """Convert a composed YAML node to Python, recording the 1-based line of every path."""
-    lines[path] = node.start_mark.line + 1
-    if isinstance(node, yaml.MappingNode):
-        out: dict = {}
-        for key_node, value_node in node.value:
-            key = _CONSTRUCTOR.construct_object(key_node, deep=True)
-            out[key] = _to_python(value_node, path + (key,), lines)
-            lines[path + (key,)] = key_node.start_mark.line + 1
-        return out
-    if isinstance(node, yaml.SequenceNode):
-        return [_to_python(n, path + (i,), lines) for i, n in enumerate(node.value)]
-    return _CONSTRUCTOR.construct_object(node, deep=True)
-
-
-def _locate(path: tuple, lines: dict[tuple, int]) -> int:
-    for n in range(len(path), -1, -1):
-        if path[:n] in lines:
-            return lines[path[:n]]
-    return 1
-
-
-def _field_name(path: tuple) -> str:
-    out = ""
-    for p in path:
-        out += f"[{p}]" if isinstance(p, int) else (f".{p}" if out else str(p))
-    return out or "(file)"
-
-
 def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
     """Checks across fields, each error placed on the entry it belongs to."""
     variants = {v.name for v in op.variants}
@@ -76,6 +42,11 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         unknown = rule_names(v.dispatch) - set(op.axes)
         if unknown:
             return ("variants", i, "dispatch"), f"the rule reads unknown axes {sorted(unknown)}"
+    for i, item in enumerate(op.not_certified):
+        for j, v in enumerate(item.variants):
+            if v not in variants:
+                return (("not_certified", i, "variants", j),
+                        f"unknown variant {v!r} (known: {sorted(variants)})")
     ids: set[str] = set()
     for i, cell in enumerate(op.cells):
         if cell.id in ids:
@@ -107,41 +78,21 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
 def load_op_file(path: Path) -> OpFile:
     """Load and validate one cell file; raise CatalogError (file, line, field) on the first problem."""
     path = Path(path)
-    lines: dict[tuple, int] = {}
     try:
-        node = yaml.compose(path.read_text())
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise CatalogError(path, (mark.line + 1) if mark else 1, "(yaml)",
-                           str(getattr(e, "problem", e))) from None
-    if node is None:
-        raise CatalogError(path, 1, "(file)", "the file is empty")
-    data = _to_python(node, (), lines)
-    if not isinstance(data, dict):
-        raise CatalogError(path, 1, "(file)", "the top level must be a mapping")
+        data, lines = load_mapping(path)
+    except YamlProblem as p:
+        raise CatalogError(path, p.line, p.field, p.message) from None
     try:
         op = OpFile.model_validate(data)
     except ValidationError as e:
-        # A typo shows up as an unknown field *and* a missing one: the unknown field explains both.
-        err = sorted(e.errors(), key=lambda x: x["type"] != "extra_forbidden")[0]
-        loc = tuple(p for p in err["loc"] if isinstance(p, int) or not str(p).startswith(
-            ("tuple[", "list[", "dict[", "function-", "literal[")))
-        msg = err["msg"]
-        if err["type"] == "missing":
-            msg = "required field is missing"
-        elif err["type"] == "extra_forbidden":
-            msg = "unknown field (a typo?)"
-        extra = len(e.errors()) - 1
-        if extra:
-            msg += f" (and {extra} more problem{'s' if extra > 1 else ''} in this file)"
-        raise CatalogError(path, _locate(loc, lines), _field_name(loc), msg) from None
+        raise CatalogError(path, *first_problem(e, lines)) from None
     if op.op != path.stem:
-        raise CatalogError(path, _locate(("op",), lines), "op",
+        raise CatalogError(path, locate(("op",), lines), "op",
                            f"op {op.op!r} must match the file name {path.stem!r}")
     problem = _cross_check(op)
     if problem:
         loc, msg = problem
-        raise CatalogError(path, _locate(loc, lines), _field_name(loc), msg)
+        raise CatalogError(path, locate(loc, lines), field_name(loc), msg)
     return op
 
 

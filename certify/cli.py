@@ -9,9 +9,12 @@ import sys
 from certify.archs import choose_triton_mode, present_archs
 from certify.catalog import load_catalog
 from certify.paths import project_paths
+from certify.reach import load_reach, load_tracer, reach_text, run_trace
+from certify.reach_claims import catalog_findings, reach_findings
 from certify.receipts import load_receipts
 from certify.report import build_rows, report_extras, terminal_report, write_reports
 from certify.runner import run_targets, select
+from certify.scenarios import ScenarioError, load_scenarios
 from certify.schema import TIERS, OpFile
 
 
@@ -44,13 +47,52 @@ def _cmd_report(args: argparse.Namespace) -> int:
             run_targets(chosen, paths.receipts)
     rows = build_rows(catalog, load_receipts(paths.receipts))
     extras = report_extras(paths.extras)
-    print(terminal_report(catalog, rows))
+    reach = load_reach(paths.reach)
+    print(terminal_report(catalog, rows, reach))
     if extras:
         print("\n" + "\n".join(extras))
-    written = write_reports(paths.reports, catalog, rows, extras)
+    written = write_reports(paths.reports, catalog, rows, extras, reach)
     print(f"\nwrote {len(written)} report file(s) under {paths.reports.relative_to(paths.root)}/")
     failed = any(s == "failed" for r in rows for s in r.status.values())
     return 1 if (failed or catalog.errors) and args.strict else 0
+
+
+def _cmd_trace(args: argparse.Namespace) -> int:
+    """Trace the scenarios, write (or with --check compare) the reach file, print the claims."""
+    paths = project_paths()
+    run = run_trace(paths.tracer, paths.cells, paths.scenarios, workers=args.workers,
+                    only=args.scenario)
+    text = reach_text(run.reach)
+    modes = len(run.reach.modes)
+    print(f"traced {len(run.reach.scenarios)} scenario(s) x {modes} mode(s) in {run.seconds:.1f} s; "
+          f"{sum(len(v) for v in run.reach.reach.values())} (op, variant)s reached")
+    for name, sec in sorted(run.per_scenario.items(), key=lambda kv: -kv[1])[:5]:
+        print(f"  slowest: {name} {sec:.1f} s")
+    rc = 0
+    rel = paths.reach.relative_to(paths.root)
+    if args.check:
+        current = paths.reach.read_text() if paths.reach.is_file() else ""
+        if current != text:
+            print(f"{rel} is stale: run `certify trace` and commit it")
+            rc = 1
+        else:
+            print(f"{rel} is current")
+    elif args.scenario:
+        print("(some scenarios only: the reach file is not written)")
+    else:
+        paths.reach.parent.mkdir(parents=True, exist_ok=True)
+        paths.reach.write_text(text)
+        print(f"wrote {rel}")
+    catalog = load_catalog(paths.cells)
+    findings = catalog_findings(catalog) + reach_findings(catalog, run.reach)
+    by = {s: [f for f in findings if f.severity == s] for s in ("fail", "warn", "info")}
+    print(f"claims: {len(by['fail'])} failing, {len(by['warn'])} warning(s), {len(by['info'])} note(s)")
+    for f in by["fail"]:
+        print(f"  FAIL {f.message}")
+    if args.verbose:
+        for f in by["warn"] + by["info"]:
+            print(f"  {f.severity} {f.message}")
+    return rc
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
@@ -67,11 +109,20 @@ def schema_text() -> str:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
-    catalog = load_catalog(project_paths().cells)
+    paths = project_paths()
+    catalog = load_catalog(paths.cells)
     for e in catalog.errors:
         print(e)
     print(f"{len(catalog.ops)} op(s) loaded, {len(catalog.errors)} file(s) with errors")
-    return 1 if catalog.errors else 0
+    bad = bool(catalog.errors)
+    if paths.tracer and paths.scenarios.is_file():
+        try:
+            n = len(load_scenarios(paths.scenarios, load_tracer(paths.tracer).scenario_model))
+            print(f"{n} scenario(s) loaded from {paths.scenarios.relative_to(paths.root)}")
+        except ScenarioError as e:
+            print(e)
+            bad = True
+    return 1 if bad else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,10 +142,19 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--outdated", action="store_true", help="skip targets with a fresh receipt")
     c.add_argument("--dry-run", action="store_true", help="run, but write no receipts")
     c.set_defaults(fn=_cmd_run)
+    t = sub.add_parser("trace", help="trace the scenarios through the forward, write the reach file")
+    t.add_argument("--check", action="store_true", help="compare with the committed reach file, "
+                                                         "write nothing; exit 1 when it is stale")
+    t.add_argument("--workers", type=int, default=None, help="processes (default: CPUs, at most 4)")
+    t.add_argument("--scenario", action="append", help="trace only these (writes nothing)")
+    t.add_argument("-v", "--verbose", action="store_true", help="print the warnings too")
+    t.set_defaults(fn=_cmd_trace)
     s = sub.add_parser("schema", help="export the cell-file JSON Schema for editors")
     s.set_defaults(fn=_cmd_schema)
     k = sub.add_parser("check", help="load every cell file and report errors")
     k.set_defaults(fn=_cmd_check)
+    from certify.gatecli import add_parser as add_gates_parser  # noqa: E402 (its own module)
+    add_gates_parser(sub)
     args = p.parse_args(argv)
     if not getattr(args, "fn", None):
         args = p.parse_args(["report", *(argv or [])])

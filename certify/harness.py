@@ -49,6 +49,13 @@ class Outcome:
     ran: dict[str, bool] = field(default_factory=dict)  # spec / variant / oracle actually ran
 
 
+def certifying_problem(name: str, outcome: Outcome) -> str | None:
+    """Why a passed certification certifies nothing: the variant, the spec (or its named stand-in) and
+    the oracle must all have run. None when all three ran."""
+    missing = [k for k in ("variant", "spec", "oracle") if not outcome.ran.get(k)]
+    return f"{name}: passed without running {missing}" if missing else None
+
+
 def resolve(path: str) -> Callable:
     module, _, name = path.partition(":")
     return getattr(importlib.import_module(module), name)
@@ -62,9 +69,10 @@ class SpecVariant:
     def __init__(self, spec: Callable):
         self.spec = spec
         self.outputs: list[str] = []
+        self.inplace: dict[str, str] = {}
 
     def __call__(self, **kwargs: Any) -> None:
-        bufs = {n: kwargs.pop(n) for n in self.outputs if n in kwargs}
+        bufs = {n: kwargs.pop(n) for n in self.outputs if n in kwargs and n not in self.inplace}
         res = self.spec(**kwargs)
         if isinstance(res, tuple):
             res = dict(zip(self.outputs, res))
@@ -72,6 +80,9 @@ class SpecVariant:
             res = {self.outputs[0]: res}
         for name, buf in bufs.items():
             buf.copy_(res[name])
+        # An in-place output: the spec returns the new value, the convention updates the input.
+        for out_name, in_name in self.inplace.items():
+            kwargs[in_name].copy_(res[out_name])
 
 
 def variant_callable(op: OpFile, variant_name: str) -> Callable:
@@ -104,6 +115,7 @@ def run_variant(impl: Callable, case: Case) -> dict[str, torch.Tensor]:
     """Call a variant on fresh copies of the inputs with poisoned output buffers; return its outputs."""
     if isinstance(impl, SpecVariant):
         impl.outputs = list(case.outputs)
+        impl.inplace = dict(case.inplace)
     inputs = {k: _clone(v) for k, v in case.inputs.items()}
     device = next((v.device for v in inputs.values() if isinstance(v, torch.Tensor)), "cpu")
     outs = {name: oracles.poison(torch.empty(spec.shape, dtype=spec.dtype, device=device))

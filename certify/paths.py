@@ -17,6 +17,9 @@ class ProjectPaths:
     receipts: Path
     schema: Path
     extras: str | None  # "module:function" returning extra markdown lines for the report
+    scenarios: Path     # the scenarios the reach tracer runs (data)
+    tracer: str | None  # "module:object" of the target's tracer (see certify.reach.Tracer)
+    reach: Path         # the generated reach file (``certify trace``)
 
 
 def _find_root(start: Path) -> Path:
@@ -44,4 +47,7 @@ def project_paths(start: str | None = None) -> ProjectPaths:
         receipts=get("receipts", "reports/receipts"),
         schema=get("schema", "certify/schema"),
         extras=cfg.get("report_extras"),
+        scenarios=get("scenarios", "certify/scenarios.yaml"),
+        tracer=cfg.get("tracer"),
+        reach=get("reach", "reports/reach.json"),
     )

@@ -17,7 +17,7 @@ import pytest
 
 from certify.archs import choose_triton_mode, present_archs
 from certify.catalog import CatalogError, load_op_file
-from certify.harness import certify_cell
+from certify.harness import certify_cell, certifying_problem
 from certify.paths import project_paths
 from certify.plan import Target, targets
 from certify.receipts import make_receipt, write_receipts
@@ -98,9 +98,9 @@ class CertifyItem(pytest.Item):
         if outcome.status != "passed":
             raise CertificationFailure(f"{t.name}: {outcome.status}\n{outcome.message}")
         # A certifying check: the variant, the spec (or its named stand-in) and the oracle all ran.
-        missing = [k for k, v in outcome.ran.items() if not v]
-        if missing:
-            raise CertificationFailure(f"{t.name}: passed without running {missing}")
+        problem = certifying_problem(t.name, outcome)
+        if problem:
+            raise CertificationFailure(problem)
 
     def repr_failure(self, excinfo, style=None):
         return str(excinfo.value) if excinfo.errisinstance(CertificationFailure) else \

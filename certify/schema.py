@@ -58,6 +58,9 @@ class Variant(Strict):
     archs: tuple[Arch, ...] = Field(min_length=1)
     dispatch: str = "true"
     batch_invariant: bool = True
+    specialisations: int = Field(1, ge=1, description=(
+        "compiled specialisations of this variant (e.g. tile configurations chosen per shape): the "
+        "at-most-three-cells rule allows as many cells as specialisations when they are more than three"))
     doc: str = ""
 
     @field_validator("dispatch")
@@ -112,11 +115,17 @@ class Cell(Strict):
     archs: tuple[Arch, ...] | None = Field(
         None, description="archs this cell runs on (default: every arch of its variants); for a "
                           "cell too large for the CPU, say so in its why")
+    adds: str | None = Field(None, min_length=10, description=(
+        "only for a cell beyond the at-most-three-cells rule of its variants (more when a variant has "
+        "more compiled specialisations): what this extra cell adds that their other cells do not"))
 
 
 class NotCertified(Strict):
     what: str = Field(min_length=5)
     why: str = Field(min_length=5)
+    variants: tuple[str, ...] = Field((), description=(
+        "variants this note declares not certified where the forward reaches them: the reach claims "
+        "accept a reached variant with no cell when a note names it (and the report lists it)"))
 
 
 class OpFile(Strict):
@@ -130,6 +139,9 @@ class OpFile(Strict):
     variants: tuple[Variant, ...] = Field(min_length=1)
     cells: tuple[Cell, ...] = Field(min_length=1)
     not_certified: tuple[NotCertified, ...] = ()
+    within: tuple[str, ...] = Field((), description=(
+        "ops whose calls run this op inside them: it is certified on its own but never dispatched as a "
+        "separate call, so the reach tracer sees it through them"))
     note: str = ""
 
     def axes_of(self, cell: Cell) -> dict[str, str | int | bool]:

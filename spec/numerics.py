@@ -42,6 +42,8 @@ def rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """
     if a.dim() != 2 or b.dim() != 2 or a.shape[1] != b.shape[0]:
         raise ValueError(f"expected [T, K] @ [K, N], got {tuple(a.shape)} @ {tuple(b.shape)}")
+    if a.device.type == "meta":  # meta: shapes only (the reach tracer); the row loop would only cost time
+        return a @ b
     out = torch.empty(a.shape[0], b.shape[1], dtype=a.dtype, device=a.device)
     b = b.contiguous()
     for t in range(a.shape[0]):

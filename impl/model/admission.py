@@ -5,7 +5,8 @@ request; ``admit`` runs it over a batch, so a bad request fails alone and the ot
 same objects, in their order.
 
 Limits (decisions):
-- ``prompt``: 1 .. ``max_seq_len - max_new_tokens`` token ids; without chunked prefill the whole prompt
+- ``prompt``: 1 .. ``max_seq_len - max_new_tokens - K`` token ids (K = the draft length, 0 without
+  speculation: verify and draft rows run up to K positions past the last emitted token); without chunked prefill the whole prompt
   is one context step, so it must also fit ``max_num_tokens``. Token ids are ints in
   ``0 .. vocab_size - 1`` (bools are refused).
 - ``max_new_tokens`` >= 1.
@@ -69,10 +70,14 @@ def validate_request(request: Request, model_config: ModelConfig, engine_config:
     n = len(request.prompt)
     if n == 0:
         reject("prompt", "is empty; a request needs at least one prompt token")
-    limit = engine_config.max_seq_len - request.max_new_tokens
+    # Speculation writes up to K positions past the last emitted token (verify rows, draft rows),
+    # so a speculative engine keeps K positions of the window free.
+    k = engine_config.speculative.draft_length if engine_config.speculative else 0
+    limit = engine_config.max_seq_len - request.max_new_tokens - k
     if n > limit:
-        reject("prompt", f"has {n} tokens; with max_new_tokens {request.max_new_tokens} at most "
-                         f"{max(limit, 0)} fit max_seq_len {engine_config.max_seq_len}")
+        spec = f" and draft length {k}" if k else ""
+        reject("prompt", f"has {n} tokens; with max_new_tokens {request.max_new_tokens}{spec} at "
+                         f"most {max(limit, 0)} fit max_seq_len {engine_config.max_seq_len}")
     if not engine_config.enable_chunked_prefill and n > engine_config.max_num_tokens:
         reject("prompt", f"has {n} tokens, more than max_num_tokens {engine_config.max_num_tokens}; "
                          f"without chunked prefill a prompt is one context step")

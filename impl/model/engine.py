@@ -32,11 +32,12 @@ from typing import Callable, Iterable
 
 import torch
 
-from certify.archs import runtime_arch
+from certify.archs import cuda_arch
 from impl.model.admission import Request, RequestRejected, admit, validate_request
 from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
-from impl.model.engine_config import EngineConfig, RoutePlan, default_context, route
+from impl.model.engine_config import (EngineConfig, RoutePlan, RuleContext, default_context,
+                                      route)
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import DTYPE_NAME, Ops
 from spec.config import ModelConfig
@@ -111,6 +112,10 @@ class ModelCall:
     hidden: torch.Tensor | None = None
     h_prev: torch.Tensor | None = None
     accepted: dict[str, int] | None = None        # commit: request id -> num_accepted
+    logit_rows: list[int] | None = None           # the pass's rows that ``logits`` holds
+
+    def logits_at(self, row: int) -> torch.Tensor:
+        return self.logits[self.logit_rows.index(row)]
 
 
 @dataclass
@@ -125,7 +130,10 @@ class Engine:
 
     def __init__(self, config: EngineConfig, weights: Weights, *, cfg: ModelConfig | None = None,
                  plan: RoutePlan | None = None, log_calls: bool = False):
-        ctx = default_context(config)
+        # The engine dispatches for the device its weights live on (a CPU engine on a GPU machine
+        # runs the CPU variants).
+        arch = "cpu" if weights.device.type == "cpu" else (cuda_arch() or "cpu")
+        ctx = RuleContext(config.model_geometry(), default_context(config).catalog, arch)
         self.plan = plan or route(config, ctx)          # refuses before anything is built
         self.config = config
         self.cfg = cfg or config.model_geometry()
@@ -140,12 +148,12 @@ class Engine:
         self.index_share = bool(config.speculative and config.speculative.index_share)
         if self.k and weights.mtp is None:
             raise ValueError("speculation needs the MTP draft layer's weights")
-        self.dispatcher = Dispatcher(ctx.catalog, runtime_arch(),
+        self.dispatcher = Dispatcher(ctx.catalog, arch,
                                      batch_invariant=config.batch_invariant)
         self.model = Model(weights, self.cfg, Ops(self.dispatcher))
         state_dtype = _DTYPES[config.state_dtype]
         self.cache = EngineCache.allocate(
-            self.cfg, config.max_batch_size, config.max_seq_len + self.k + 1, weights.dtype,
+            self.cfg, config.max_batch_size, config.max_seq_len, weights.dtype,
             config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}   # slot -> sequence
@@ -238,8 +246,13 @@ class Engine:
         return [seq.pending, *seq.drafts[:n - 1]]
 
     def _trunk_pass(self, plan: list[tuple[Sequence, str, int]]) -> tuple[list[Span], StepOutput]:
-        spans, ids, row = [], [], 0
+        """Run the trunk over ``plan``; logits only for rows that emit or verify a token."""
+        spans, ids, row, logit_rows = [], [], 0, []
         for seq, mode, n in plan:
+            if mode == "verify":
+                logit_rows += list(range(row, row + n))
+            elif mode == "decode" or seq.prompt_done + n == len(seq.prompt):
+                logit_rows.append(row + n - 1)
             start = self.cache.lengths[seq.slot]
             # A 1-token prompt chunk is a decode row for the GDN layers (same function, per row).
             gdn_mode = "decode" if (mode == "prefill" and n == 1) else mode
@@ -248,7 +261,7 @@ class Engine:
             ids += self._tokens(seq, mode, n)
             row += n
         out = self.model.trunk(torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
-                               self.cache)
+                               self.cache, logit_rows)
         self._log("trunk", plan, spans, ids, out)
         return spans, out
 
@@ -286,9 +299,11 @@ class Engine:
             return
         entries = [(seq.request.request_id, sp.start, ids[sp.lo:sp.hi], mode)
                    for (seq, mode, _), sp in zip(plan, spans)]
+        rows = list(range(spans[-1].hi)) if out.logit_rows is None else list(out.logit_rows)
         self.calls.append(ModelCall(kind, entries, out.logits.detach().clone(),
                                     out.hidden.detach().clone(),
-                                    None if h_prev is None else h_prev.detach().clone()))
+                                    None if h_prev is None else h_prev.detach().clone(),
+                                    logit_rows=rows))
 
     def _emit(self, seq: Sequence, tokens: list[int], emitted: dict[str, list[int]]) -> None:
         room = seq.request.max_new_tokens - len(seq.output)
@@ -311,7 +326,7 @@ class Engine:
                         nxt = list(seq.prompt[sp.start + 1:sp.start + n + 1])
                         drafting.append((seq, sp, nxt))
                     continue
-            token = int(greedy_argmax(out.logits[sp.hi - 1]))
+            token = int(greedy_argmax(out.logits_at(sp.hi - 1)))
             self._emit(seq, [token], emitted)
             if self.k and not seq.done:
                 nxt = list(seq.prompt[sp.start + 1:sp.start + n]) + [token]
@@ -403,15 +418,18 @@ class Engine:
         plan = [(seq, "prefill", sp.hi - sp.lo) for seq, sp, _ in items]
         h_prev = torch.cat(h_rows)
         shared = torch.cat(sel_rows) if self.index_share else None
+        # Logits only where a draft is taken: the last row of a request whose next token is known.
+        logit_rows = [sp.hi - 1 for (seq, _, _), sp in zip(items, spans)
+                      if not seq.in_prompt and not seq.done]
         out = self.model.draft(h_prev, torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
-                               cache, shared)
+                               cache, shared, logit_rows)
         self._log("draft", plan, spans, ids, out, h_prev)
         finishing = [(seq, sp) for (seq, _, _), sp in zip(items, spans)
                      if not seq.in_prompt and not seq.done]
         if not finishing:
             return
         for seq, sp in finishing:
-            seq.drafts = [int(greedy_argmax(out.logits[sp.hi - 1]))]
+            seq.drafts = [int(greedy_argmax(out.logits_at(sp.hi - 1)))]
             seq.draft_hidden = out.hidden[sp.hi - 1:sp.hi]
         for _ in range(self.k - 1):
             spans = [Span(seq.slot, j, j + 1, cache.mtp_lengths[seq.slot], "decode")

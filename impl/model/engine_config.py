@@ -339,16 +339,21 @@ def _context_reach(c: EngineConfig, ctx: RuleContext) -> str | None:
     return f"max_seq_len {c.max_seq_len} exceeds the context reach of {r[0]} ({r[1]})"
 
 
-def _batch_invariant(c: EngineConfig, ctx: RuleContext) -> str | None:
-    if not c.batch_invariant:
-        return None
-    missing = sorted(n for n, op in ctx.catalog.ops.items() if _op_runs(c, n)
-                     and not any(v.impl == "spec" and ctx.arch in v.archs for v in op.variants))
+def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
+    from impl.model.ops import FORWARD_OPS, KV_CODEC_OPS, SPECULATION_OPS
+
+    names = list(FORWARD_OPS) + ([KV_CODEC_OPS[c.kv_cache_dtype]]
+                                 if c.kv_cache_dtype in KV_CODEC_OPS else [])
+    if c.speculative is not None:  # the verify-width ops have their own rule
+        names += [n for n in SPECULATION_OPS if n not in VERIFY_WIDTH_OPS]
+    missing = [n for n in names if n in ctx.catalog.ops
+               and choose_variant(c, ctx.catalog.ops[n], ctx.arch).variant is None]
+    missing += [n for n in names if n not in ctx.catalog.ops]
     if not missing:
         return None
-    more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
-    return (f"batch-invariant mode runs every op's reference variant (impl: spec); {missing[0]}"
-            f"{more} has none that runs on {ctx.arch}")
+    more = f" (and {len(missing) - 1} more: {', '.join(missing[1:])})" if len(missing) > 1 else ""
+    kind = "reference variant (impl: spec, batch-invariant mode)" if c.batch_invariant else "variant"
+    return f"no {kind} of {missing[0]} runs on {ctx.arch}{more}"
 
 
 def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
@@ -385,9 +390,9 @@ RULES: list[Rule] = [
          "max_batch_size lies within every batch axis reach of the catalog.", _batch_reach),
     Rule("max_seq_len_within_reach",
          "max_seq_len lies within every context axis reach of the catalog.", _context_reach),
-    Rule("batch_invariant_needs_reference_variants",
-         "In batch-invariant mode every op the engine runs has a reference variant (impl: spec) on "
-         "the arch.", _batch_invariant),
+    Rule("ops_run_on_the_arch",
+         "Every op the forward runs has a variant on the arch (in batch-invariant mode, a reference "
+         "variant).", _ops_run_on_the_arch),
     Rule("token_budget_holds_a_step",
          "max_num_tokens holds one generation step of max_batch_size requests (K + 1 rows each with "
          "speculation).", _token_budget),

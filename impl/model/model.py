@@ -99,6 +99,13 @@ class StepOutput:
     hidden: torch.Tensor          # [N, C] the stream mean before the final norm (acc dtype)
     record: VerifyRecord | None = None
     selection: torch.Tensor | None = None   # trunk: the last QSA layer's selected blocks [N, W]
+    logit_rows: list[int] | None = None     # the rows ``logits`` holds, in order (None: every row)
+
+    def logits_at(self, row: int) -> torch.Tensor:
+        """The logits of step row ``row`` (which must be one the pass read out)."""
+        if self.logit_rows is None:
+            return self.logits[row]
+        return self.logits[self.logit_rows.index(row)]
 
 
 class Model:
@@ -281,6 +288,9 @@ class Model:
     # ------------------------------------------------------------------ read-out
 
     def _read_out(self, m: torch.Tensor) -> torch.Tensor:
+        if m.shape[0] == 0:  # no row of this pass needs logits: nothing to dispatch
+            act = torch.float64 if self.act == torch.float64 else torch.float32
+            return torch.empty(0, self.cfg.vocab_size, dtype=act, device=m.device)
         h = out_cast(self.ops.rmsnorm(m, self.w.final_norm, self.cfg.eps), self.act,
                      is_reference_mode(m))
         logits = self._linear(h, self.w.lm_head)
@@ -292,8 +302,11 @@ class Model:
 
     # ------------------------------------------------------------------ the passes
 
-    def trunk(self, ids: torch.Tensor, rows: StepRows, cache: EngineCache) -> StepOutput:
-        """The trunk over one step's rows (``ids`` int64 [N] on the CPU); updates ``cache``."""
+    def trunk(self, ids: torch.Tensor, rows: StepRows, cache: EngineCache,
+              logit_rows: list[int] | None = None) -> StepOutput:
+        """The trunk over one step's rows (``ids`` int64 [N] on the CPU); updates ``cache``. Only
+        ``logit_rows`` are read out through the LM head (default: every row): a prompt chunk needs
+        the logits of its last row at most, and 8192 rows of a 151936-word head would be 5 GB."""
         w, cfg, act = self.w, self.cfg, self.act
         dev = w.device
         N = rows.rows
@@ -325,15 +338,16 @@ class Model:
                 cache.layers[li] = p
             X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, get, put,
                                handover if li == last_qsa else None)
-        logits = self._read_out(m)
+        logits = self._read_out(m if logit_rows is None else m[logit_rows])
         for sp in rows.spans:
             cache.ple_history[sp.slot] = ple_history_advance(cache.ple_history[sp.slot],
                                                              ids[sp.lo:sp.hi])
             cache.lengths[sp.slot] = sp.start + sp.rows
-        return StepOutput(logits, m, record, handover.kept)
+        return StepOutput(logits, m, record, handover.kept, logit_rows)
 
     def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, rows: StepRows,
-              cache: EngineCache, shared_selection: torch.Tensor | None = None) -> StepOutput:
+              cache: EngineCache, shared_selection: torch.Tensor | None = None,
+              logit_rows: list[int] | None = None) -> StepOutput:
         """The MTP draft layer over rows (h_prev, next token); updates the draft layer's planes.
         ``shared_selection`` [N, W] (IndexShare): the trunk's selection for rows at positions the
         trunk has computed, rows of -2 where the draft layer scores its own."""
@@ -353,4 +367,5 @@ class Model:
                            None, get, put, share)
         for sp in rows.spans:
             cache.mtp_lengths[sp.slot] = sp.start + sp.rows
-        return StepOutput(self._read_out(m), m)
+        return StepOutput(self._read_out(m if logit_rows is None else m[logit_rows]), m,
+                          logit_rows=logit_rows)

@@ -38,6 +38,17 @@ from spec.ops import rope as spec_rope
 from spec.ops.kv_storage import FP8_DTYPE, NVFP4_BLOCK
 from spec.ops.qsa import TOKENS_PER_BLOCK, selection_width
 
+# Every op the forward dispatches (its bindings below), by when it runs. The configuration rule
+# ``ops_run_on_the_arch`` reads these; a test checks a traced forward calls no other op.
+FORWARD_OPS: tuple[str, ...] = (
+    "rmsnorm", "hc_inject_norm", "hc_first_projection", "hc_pre", "hc_up_projection", "ple_embed",
+    "ple_apply", "moe", "logits_cast", "qk_norm_rope", "qsa_kv_append", "qsa_index_store",
+    "qsa_index_scores", "qsa_select", "qsa_expand", "qsa_sparse_gqa", "gdn_conv_prefill",
+    "gdn_conv_update", "gdn_decode", "gdn_prefill")
+SPECULATION_OPS: tuple[str, ...] = ("gdn_verify", "greedy_verify", "rollback_commit",
+                                    "mtp_draft_input")
+KV_CODEC_OPS: dict[str, str] = {"fp8": "kv_fp8", "nvfp4": "kv_nvfp4"}
+
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
               torch.float16: "float16"}
 
@@ -125,8 +136,7 @@ class Ops:
                         vocab=logits.shape[-1],
                         ragged=bool((draft_lens != drafts.shape[1]).any()))
         if self.shape_only:  # no logits to compare: every draft accepted (the caller may override)
-            R, rows = drafts.shape[0], drafts.shape[1] + 1
-            emitted = torch.cat([drafts, torch.zeros(R, 1, dtype=torch.int64)], dim=1)
+            emitted = torch.cat([drafts, torch.zeros(drafts.shape[0], 1, dtype=torch.int64)], dim=1)
             return spec_mtp.VerifyResult(emitted.clone(), draft_lens + 1, emitted)
         return spec_mtp.greedy_verify(logits, drafts, draft_lens)
 

@@ -38,6 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from certify.catalog import Catalog
 from certify.reach import Mode, ModeTrace
 from certify.scenarios import ScenarioBase
+from certify.schema import Variant
 from impl.model.cache import PAGE, EngineCache, GDNPool, scrub_pages, truncate_planes
 from impl.model.dispatch import DispatchError, Dispatcher, OpCall
 from impl.model.engine_config import EngineConfig, RuleContext, SpeculativeConfig, check
@@ -112,6 +113,7 @@ class Scenario(ScenarioBase):
                 raise ValueError(f"a verify request at context {g.context} cannot hold K + 1 rows")
         if self.rows > self.max_num_tokens:
             raise ValueError(f"the step's {self.rows} rows exceed max_num_tokens {self.max_num_tokens}")
+        self.engine_config(Mode("cpu"))  # a field the engine's configuration refuses fails here
         return self
 
     @property
@@ -153,7 +155,7 @@ class _ReferenceDispatcher(Dispatcher):
     """Chooses each op's reference variant (``impl: spec``) whatever the arch: the forward that records
     the calls runs the spec's paths, which run on meta; the modes' choices are made afterwards."""
 
-    def candidates(self, name: str):
+    def candidates(self, name: str) -> list[Variant]:
         return [v for v in self.op(name).variants if v.impl == "spec"]
 
 
@@ -161,7 +163,6 @@ def index_share_honoured() -> bool:
     """Whether the engine's model passes the trunk's selection to the draft layer (IndexShare)."""
     return ("selection" in StepOutput.__dataclass_fields__
             and len(inspect.signature(Model.draft).parameters) >= 6)
-
 
 
 class _Forward:
@@ -226,8 +227,16 @@ class _Forward:
         self.d.start_trace()
         spans = [Span(slot, lo, lo + rows, start, mode) for (slot, rows, start, mode, _), lo in
                  zip(self.plan, _offsets([rows for _, rows, _, _, _ in self.plan]))]
+        # The rows the engine reads logits for (Engine._trunk_pass): verify rows, decode rows and
+        # the last row of a chunk that ends its prompt.
+        logit_rows: list[int] = []
+        for sp, (_, _, _, mode, last) in zip(spans, self.plan):
+            if mode == "verify":
+                logit_rows += list(range(sp.lo, sp.hi))
+            elif mode == "decode" or last:
+                logit_rows.append(sp.hi - 1)
         out = self.model.trunk(torch.zeros(sum(sp.rows for sp in spans), dtype=torch.int64),
-                               StepRows.build(spans), self.cache)
+                               StepRows.build(spans), self.cache, logit_rows)
         if self.sc.verify:
             self._after_verify(spans, out)
         elif self.k:  # a context step with speculation: the draft layer reads the chunks' rows
@@ -281,9 +290,9 @@ class _Forward:
                 sel_rows.append(trunk.selection[sp.lo:sp.hi])
         extra = (torch.cat(sel_rows),) if self.share else ()
         rows = StepRows.build(spans)
-        out = self.model.draft(torch.cat(h_rows), torch.zeros(rows.rows, dtype=torch.int64), rows,
-                               cache, *extra)
         finishing = [sp for sp, (_, last) in zip(spans, items) if last]
+        out = self.model.draft(torch.cat(h_rows), torch.zeros(rows.rows, dtype=torch.int64), rows,
+                               cache, extra[0] if extra else None, [sp.hi - 1 for sp in finishing])
         if not finishing:
             return
         h = torch.cat([out.hidden[sp.hi - 1:sp.hi] for sp in finishing])
@@ -358,13 +367,14 @@ class Tracer:
         for mode in runnable:
             d = Dispatcher(catalog, mode.arch, batch_invariant=mode.batch_invariant)
             d.start_trace()
-            try:
-                for c in calls:
+            no_variant: dict[str, str] = {}
+            for c in calls:  # past a call no variant runs, to record what the others dispatch
+                try:
                     d.choose(c.op, **dict(c.axes))
-            except DispatchError as e:
-                out[mode.key] = ModeTrace(error=str(e))
-                continue
-            out[mode.key] = ModeTrace(calls=[(c.op, c.variant, dict(c.axes)) for c in d.stop_trace()])
+                except DispatchError as e:
+                    no_variant.setdefault(c.op, str(e))
+            out[mode.key] = ModeTrace(calls=[(c.op, c.variant, dict(c.axes)) for c in d.stop_trace()],
+                                      no_variant=no_variant)
         return out
 
 

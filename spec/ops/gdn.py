@@ -47,6 +47,9 @@ def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: to
     hv = a.shape[-1]
     neg_A = -torch.exp(A_log.to(acc))
     a_rows, b_rows = a.to(acc).reshape(-1, hv), b.to(acc).reshape(-1, hv)
+    if a_rows.device.type == "meta":  # meta: shapes only; the per-row launches would only cost time
+        g = neg_A * F.softplus(a_rows + dt_bias.to(acc), beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+        return g.view(a.shape), torch.sigmoid(b_rows).view(b.shape)
     g, beta = torch.empty_like(a_rows), torch.empty_like(b_rows)
     # One row (one token's heads) per call: CPU kernels finish a tensor's last partial SIMD vector
     # with scalar code, so an element's rounding would otherwise depend on its position in the
@@ -140,6 +143,11 @@ def gdn_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
     store = state_dtype or (state.dtype if state is not None else torch.float32)
     reference = acc == torch.float64
     S = (torch.zeros(B, HV, K, V, dtype=acc, device=v.device) if state is None else state.to(acc))
+    if v.device.type == "meta":  # meta: shapes only (the reach tracer); T rows of meta ops cost time
+        held = acc if reference else store
+        o = torch.empty(B, T, HV, V, dtype=acc, device=v.device)
+        recorded = torch.empty(B, T, HV, K, V, dtype=held, device=v.device) if record else None
+        return o, recorded, S.to(held)
     outs, states = [], []
     for t in range(T):
         S = S * torch.exp(gf[:, t])[..., None, None]

@@ -92,6 +92,8 @@ def sinkhorn(M: torch.Tensor, iters: int = SINKHORN_ITERS) -> torch.Tensor:
     tanh(Delta/4)^2 a round where Delta is M's projective diameter). tests/spec/test_hc.py states the
     residual measured after 20 rounds for exp of logits in [-1, 1]. Computes in M's dtype.
     """
+    if M.device.type == "meta":  # meta: shapes only (the reach tracer); one round has every shape
+        iters = min(iters, 1)
     for _ in range(iters):
         M = M / M.sum(dim=-2, keepdim=True)  # columns sum to 1
         M = M / M.sum(dim=-1, keepdim=True)  # rows sum to 1
@@ -147,6 +149,9 @@ def hc_up_projection(X: torch.Tensor, y: torch.Tensor, h_res: torch.Tensor, h_po
     acc = acc_dtype(X, y, h_res, h_post)
     Xf, yf, res, post = X.to(acc), y.to(acc), h_res.to(acc), h_post.to(acc)
     n = X.shape[1]
+    if Xf.device.type == "meta":  # meta: shapes only (the reach tracer), without the ordered sums
+        streams = res @ Xf + post[..., None] * yf[:, None]
+        return streams, streams.mean(dim=1)
     new_streams = [_stream_sum(res[:, i], Xf) + post[:, i, None] * yf for i in range(n)]
     m = new_streams[0]
     for stream in new_streams[1:]:

@@ -228,6 +228,8 @@ def ple_ngram_hash(ids: torch.Tensor, history: torch.Tensor, cfg: NgramHashConfi
     head k in the concatenation order (order 2's heads, then order 3's), inside
     ``[offset_k, offset_k + p_k)``.
     """
+    if ids.device.type == "meta":  # meta: shapes only (the reach tracer); the limb arithmetic costs time
+        return torch.empty(ids.shape[0], cfg.num_heads, dtype=torch.int64, device=ids.device)
     window = ple_ngram_ids(ids, history)
     rows = [_mod_u64(ngram_hash_u64(window, m), p) + offset for _, m, p, offset in cfg.heads()]
     return torch.stack(rows, dim=-1)

@@ -234,6 +234,12 @@ def qsa_index_store(index_plane: torch.Tensor, block_keys: torch.Tensor,
     new_keys = block_keys.clone()
     new_valid = block_key_valid.clone()
 
+    if index_plane.device.type == "meta":
+        # meta: shapes only (the reach tracer); the flags are host-side and kept exact, the keys of
+        # completed pages have no values to sum.
+        new_valid[pages] = False
+        new_valid[pages[offsets == TOKENS_PER_BLOCK - 1]] = True
+        return new_index, new_keys, new_valid
     touched = sorted(set(pages.tolist()))
     completed = set(pages[offsets == TOKENS_PER_BLOCK - 1].tolist())
     for page in touched:
@@ -270,6 +276,9 @@ def qsa_index_scores(q_index: torch.Tensor, w_index: torch.Tensor, seq_ids: torc
     acc = acc_dtype(q_index, w_index, block_keys)
     n_rows, n_cols = q_index.shape[0], block_table.shape[1]
     scores = torch.full((n_rows, n_cols), float("-inf"), dtype=acc, device=q_index.device)
+    if q_index.device.type == "meta":
+        _check_block_keys_shape_only(seq_ids, positions, block_table, block_key_valid)
+        return scores
     for row in range(n_rows):
         t = int(positions[row])
         n_done = num_complete_blocks(t)
@@ -285,6 +294,21 @@ def qsa_index_scores(q_index: torch.Tensor, w_index: torch.Tensor, seq_ids: torc
         weighted = w_index[row].to(acc)[:, None] * torch.relu(dots)
         scores[row, :n_done] = weighted.sum(dim=0)
     return scores
+
+
+def _check_block_keys_shape_only(seq_ids: torch.Tensor, positions: torch.Tensor,
+                                 block_table: torch.Tensor, block_key_valid: torch.Tensor) -> None:
+    """meta: ``qsa_index_scores``' checks without its row loop (the reach tracer). The block table and
+    the flags are host-side integers, so the checks stay exact: per sequence, its furthest row's
+    complete blocks must fit the table and hold a block key."""
+    seq, done = seq_ids.long(), (positions.long() + 1) // TOKENS_PER_BLOCK
+    for s in seq.unique().tolist():
+        n_done = int(done[seq == s].max())
+        if n_done > block_table.shape[1]:
+            raise ValueError(f"sequence {s}: {n_done} complete blocks lie beyond its block table")
+        pages = block_table[s, :n_done].long()
+        if (pages < 0).any() or not bool(block_key_valid[pages.clamp(min=0)].all()):
+            raise ValueError(f"sequence {s}: a complete block has no block key")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -447,6 +471,8 @@ def qsa_sparse_gqa(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, se
     load_dtype = acc if reference else act
 
     out = torch.empty(q.shape, dtype=acc if reference else act, device=q.device)
+    if q.device.type == "meta":  # meta: shapes only (the reach tracer); no token values to gather
+        return out
     for row in range(q.shape[0]):
         row_tokens = tokens[row][tokens[row] >= 0]
         seq = torch.full_like(row_tokens, int(seq_ids[row]))

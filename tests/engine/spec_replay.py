@@ -89,8 +89,8 @@ def replay(calls: list[ModelCall], weights: Weights, cfg: ModelConfig, *, kv_dty
                 toks[s] = torch.tensor(ids, dtype=torch.int64)
             logits, hidden = forward(weights, cfg, toks, cache, return_hidden=True, verify=verify)
             rows = [order[rid] for rid, *_ in call.spans]
-            passes.append(Pass(f"trunk {call.spans[0][3]}", call.logits,
-                               torch.cat([logits[s] for s in rows]), call.hidden,
+            spec_logits = torch.cat([logits[s] for s in rows])[call.logit_rows]
+            passes.append(Pass(f"trunk {call.spans[0][3]}", call.logits, spec_logits, call.hidden,
                                torch.cat([hidden[s] for s in rows])))
         elif call.kind == "commit":
             cache = snapshot
@@ -100,8 +100,8 @@ def replay(calls: list[ModelCall], weights: Weights, cfg: ModelConfig, *, kv_dty
                 toks = [torch.empty(0, dtype=torch.int64) for _ in range(B)]
                 toks[s] = torch.tensor(ids[:n], dtype=torch.int64)
                 logits = forward(weights, cfg, toks, cache, verify=True)[s]
-                passes.append(Pass(f"commit {rid} a={n - 1}",
-                                   last_verify.logits[off:off + n], logits))
+                engine_rows = torch.stack([last_verify.logits_at(off + i) for i in range(n)])
+                passes.append(Pass(f"commit {rid} a={n - 1}", engine_rows, logits))
         else:
             h, toks = [], []
             for s in range(B):
@@ -118,8 +118,9 @@ def replay(calls: list[ModelCall], weights: Weights, cfg: ModelConfig, *, kv_dty
                 row += len(ids)
             logits, hidden = mtp_draft(weights, cfg, h, toks, cache)
             rows = [order[rid] for rid, *_ in call.spans]
-            passes.append(Pass("draft", call.logits, torch.cat([logits[s] for s in rows]),
-                               call.hidden, torch.cat([hidden[s] for s in rows])))
+            spec_logits = torch.cat([logits[s] for s in rows])[call.logit_rows]
+            passes.append(Pass("draft", call.logits, spec_logits, call.hidden,
+                               torch.cat([hidden[s] for s in rows])))
     return passes
 
 

@@ -25,6 +25,8 @@ BAD = [
     (req(prompt=()), ENGINE, "prompt", "is empty; a request needs at least one prompt token"),
     (req(prompt=(1,) * 250, max_new_tokens=10), ENGINE, "prompt",
      "has 250 tokens; with max_new_tokens 10 at most 246 fit max_seq_len 256"),
+    (req(prompt=(1,) * 244, max_new_tokens=10), SPEC, "prompt",
+     "has 244 tokens; with max_new_tokens 10 and draft length 3 at most 243 fit max_seq_len 256"),
     (req(prompt=(1,) * 65), NO_CHUNK, "prompt",
      "has 65 tokens, more than max_num_tokens 64; without chunked prefill a prompt is one context step"),
     (req(prompt=(1, 256)), ENGINE, "prompt", "token 1 is 256, not a token id in 0..255"),

@@ -108,7 +108,7 @@ def _token_logits(e: Engine, r: Request) -> list[torch.Tensor]:
         row = 0
         for rid, start, ids, mode in call.spans:
             if rid == r.request_id and (mode == "decode" or start + len(ids) == len(r.prompt)):
-                rows.append(call.logits[row + len(ids) - 1])
+                rows.append(call.logits_at(row + len(ids) - 1))
             row += len(ids)
     return rows
 
@@ -311,3 +311,17 @@ def test_index_share_reuses_the_trunks_selection(weights, monkeypatch):
     plain = _engine(weights).generate(_requests(LENGTHS, new=8))
     for rid, res in plain.results.items():
         assert shared.results[rid].tokens == res.tokens
+
+
+def test_forward_ops_list_is_what_the_forward_dispatches(weights):
+    """The configuration rule ops_run_on_the_arch reads FORWARD_OPS / SPECULATION_OPS / KV_CODEC_OPS:
+    a forward must dispatch exactly those."""
+    from impl.model.ops import FORWARD_OPS, KV_CODEC_OPS, SPECULATION_OPS
+    plain = _engine(weights, kv="fp8", invariant=False)
+    plain.generate(_requests(LENGTHS, new=3))
+    assert set(plain.dispatcher.variants_ran()) == set(FORWARD_OPS) | {KV_CODEC_OPS["fp8"]}
+    spec = _engine(weights, kv="nvfp4", k=2)
+    spec.generate(_requests(LENGTHS, new=3))
+    ran = set(spec.dispatcher.variants_ran())
+    assert ran == (set(FORWARD_OPS) - {"gdn_decode", "gdn_conv_update"}) | set(SPECULATION_OPS) | {
+        KV_CODEC_OPS["nvfp4"]}

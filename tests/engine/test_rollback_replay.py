@@ -57,7 +57,7 @@ def prefilled(weights, kv: str, state: str, k: int, prompt_lens: tuple[int, ...]
     key = (kv, state, k, prompt_lens, invariant)
     if key not in _PREFILLED:
         config = EngineConfig(model="tiny", kv_cache_dtype=kv, state_dtype=state,
-                              max_batch_size=len(prompt_lens), max_num_tokens=128, max_seq_len=128,
+                              max_batch_size=len(prompt_lens), max_num_tokens=128, max_seq_len=160,
                               batch_invariant=invariant,
                               speculative=SpeculativeConfig(draft_length=k))
         e = Engine(config, weights)

@@ -106,7 +106,7 @@ def _token_logits(e: Engine, r: Request) -> list[torch.Tensor]:
         for rid, start, ids, mode in call.spans:
             if call.kind == "trunk" and rid == r.request_id and (
                     mode == "decode" or start + len(ids) == len(r.prompt)):
-                rows.append(call.logits[row + len(ids) - 1])
+                rows.append(call.logits_at(row + len(ids) - 1))
             row += len(ids)
     return rows
 

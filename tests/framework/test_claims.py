@@ -1,4 +1,5 @@
-"""The catalog's claims about this target's tests and files."""
+"""The catalog's claims about this target's tests and files (the reach claims, the cell rules and the
+certifying check are in test_reach.py)."""
 
 from certify.catalog import load_catalog
 from certify.claims import marked_tests
@@ -21,10 +22,3 @@ def test_every_op_has_a_guard_and_a_property_test():
                for op in sorted(cat.ops) for kind in ("certify_guard", "certify_property")
                if not marks.get(op, {}).get(kind)]
     assert not missing, "\n".join(missing)
-
-
-def test_every_cell_why_is_distinct_within_its_op():
-    cat = load_catalog(PATHS.cells)
-    for name, op in cat.ops.items():
-        whys = [c.why for c in op.cells]
-        assert len(set(whys)) == len(whys), f"{name}: two cells give the same why"

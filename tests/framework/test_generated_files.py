@@ -7,11 +7,13 @@ from certify.catalog import load_catalog
 from certify.cli import schema_text
 from certify.paths import project_paths
 from certify.plan import targets
+from certify.reach import load_reach
 from certify.receipts import freshness, load_receipts
 from certify.report import build_rows, render_all, report_extras
 
 PATHS = project_paths()
-REGENERATE = "run `certify report` (and `certify schema`) and commit reports/ and certify/schema/"
+REGENERATE = ("run `certify trace`, `certify report` (and `certify schema`) and commit reports/ and "
+              "certify/schema/")
 
 
 def test_the_cell_schema_export_is_current():
@@ -38,7 +40,7 @@ def test_cpu_receipts_are_fresh_and_passing():
 def test_the_reports_are_current():
     cat = load_catalog(PATHS.cells)
     rows = build_rows(cat, load_receipts(PATHS.receipts))
-    rendered = render_all(cat, rows, report_extras(PATHS.extras))
+    rendered = render_all(cat, rows, report_extras(PATHS.extras), load_reach(PATHS.reach))
     stale = [rel for rel, text in rendered.items()
              if not (PATHS.reports / rel).is_file() or (PATHS.reports / rel).read_text() != text]
     extra = [p.name for p in (PATHS.reports / "ops").glob("*.md") if f"ops/{p.name}" not in rendered]

@@ -1,0 +1,267 @@
+"""Benchmark the GDN prefill on the GPU: the Triton chunked kernel against the peers and the memory floor.
+
+Run on the GPU machine from the repository root:
+    python3 bench/gdn_prefill.py [--out DIR] [--seq-lens 8192,1024,4096] [--sweep]
+It writes ``gdn_prefill.md`` (tables with the date, the GPU and the versions) into DIR (default
+reports/bench). One sequence (batch 1) at the target geometry (16 key heads, 48 value heads, d 128,
+bf16 q/k/v/z, fp32 state), continuing from a random state as a chunked prefill does.
+
+- The floor is the bytes that must move (q, k, v, z, a, b read once, out written once, the fp32 state
+  read and written) over the device-to-device copy bandwidth measured in the same run.
+- Every timing is a median (triton.testing.do_bench_cudagraph; a peer whose launch cannot be captured
+  in a CUDA graph falls back to do_bench's median of plain launches, and its cell says so).
+- Each timed variant's out and final_state are first checked against the float64 spec with the cell
+  bands of certify/cells/gdn_prefill.yaml (the measured ulp / relative-RMS are printed; certification
+  itself is the cells' job). The peers compute the recurrence only (no gated norm): their o is checked
+  against the float64 recurrence output and their final state against the float64 final state
+  (relative Frobenius error), and they are timed without the norm, so the comparison is conservative
+  for the fused kernel.
+- torch_recurrent (a Python loop of ~10 launches a row) is not timed at these lengths.
+- ``--sweep`` also times the Triton kernel's launch configurations (state-column tile, warps, stages).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import platform
+from pathlib import Path
+
+import torch
+
+from certify.catalog import load_op_file
+from certify.harness import build_case, run_spec, run_variant, variant_callable
+from certify.oracles import tolerance
+from certify.paths import project_paths
+from spec.ops import gdn
+
+TIMED = ("triton_chunked", "torch_chunked")
+# Ordered so that the configurations seen to run come first (one run on the H200 saw an illegal memory
+# access with bv 16, 8 warps, 2 stages, which ends the process's CUDA context: run --sweep alone).
+SWEEP = [dict(bv=16, num_warps=4, num_stages=1), dict(bv=16, num_warps=4, num_stages=2),
+         dict(bv=16, num_warps=8, num_stages=1), dict(bv=32, num_warps=4, num_stages=2),
+         dict(bv=64, num_warps=4, num_stages=2), dict(prep_warps=8)]
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB of fp32, bytes read + written per second (as gdn_decode.py)."""
+    import triton.testing
+
+    src = torch.randn(1 << 29, device="cuda")
+    dst = torch.empty_like(src)
+    nbytes = 2 * src.numel() * src.element_size()
+    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), rep=300, return_mode="median"),
+             triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
+    del src, dst
+    return nbytes / (ms * 1e-3)
+
+
+def bench(call) -> tuple[float, str]:
+    """(median microseconds, how): CUDA-graph replays, else plain launches."""
+    import triton.testing
+
+    call()
+    torch.cuda.synchronize()
+    try:
+        return triton.testing.do_bench_cudagraph(call, rep=300) * 1e3, "graph"
+    except Exception:  # noqa: BLE001 - a launch that cannot be captured is timed plainly
+        torch.cuda.synchronize()
+        return triton.testing.do_bench(call, rep=300, return_mode="median") * 1e3, "plain"
+
+
+def _buffers(case):
+    o = case.outputs
+    return (torch.empty(o["out"].shape, dtype=o["out"].dtype, device="cuda"),
+            torch.empty(o["final_state"].shape, dtype=o["final_state"].dtype, device="cuda"))
+
+
+def check(name, got, ref, bands) -> tuple[bool, str]:
+    parts, ok = [], True
+    for out_name, (mu, mr) in bands.items():
+        v = tolerance(out_name, got[out_name].cpu(), ref[out_name].cpu(), mu, mr)
+        ok &= v.passed
+        parts.append(f"{v.metrics[out_name + '.ulp']:.3g} / {v.metrics[out_name + '.rel_rms']:.3g}")
+        if not v.passed:
+            print(f"{name}: {v.problems}")
+    return ok, " ; ".join(parts)
+
+
+def _rel(got, ref) -> float:
+    return float((got.double() - ref).norm() / ref.norm())
+
+
+def _recurrence_ref(case, interleaved: bool = False):
+    """float64 recurrence output o [B, T, HV, V] and final state; ``interleaved`` maps value head h to
+    key head h % HK instead of the spec's h // (HV / HK) (used only to identify a peer's mapping)."""
+    i = {n: (x.double() if x.is_floating_point() else x) for n, x in case.inputs.items()}
+    q, k = i["q"], i["k"]
+    if interleaved:
+        rep = i["v"].shape[2] // q.shape[2]
+        q, k = (x.repeat(1, 1, rep, 1) for x in (q, k))
+    g, beta = gdn.gdn_gates(i["a"], i["b"], i["A_log"], i["dt_bias"])
+    o, _, fin = gdn.gdn_recurrent(q, k, i["v"], g, beta, i["state"], record=False)
+    return o, fin
+
+
+def peer_fla(case, refs):
+    """fla's chunk_gated_delta_rule: q, k repeated to the value heads, g in log space, state
+    [B, HV, K, V] fp32, l2norm in the kernel."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_chunk
+
+    i = case.inputs
+    g, beta = gdn.gdn_gates(i["a"], i["b"], i["A_log"], i["dt_bias"])
+    hv, hk = i["v"].shape[2], i["q"].shape[2]
+    q, k = (i[n].repeat_interleave(hv // hk, dim=2).contiguous() for n in ("q", "k"))
+    call = lambda: fla_chunk(q=q, k=k, v=i["v"], g=g, beta=beta,  # noqa: E731
+                             initial_state=i["state"].clone(), output_final_state=True,
+                             use_qk_l2norm_in_kernel=True)
+    o, fin = call()[:2]
+    o_ref, fin_ref = refs["grouped"]
+    return call, f"o {_rel(o, o_ref):.1e}, state {_rel(fin, fin_ref):.1e}"
+
+
+def peer_flashinfer(case, refs):
+    """FlashInfer's chunk_gated_delta_rule (SM90 CuTe DSL): tokens flattened with cu_seqlens, the
+    decay given as alpha = exp(g), beta fp32, state [N, HV, V, K] (transposed), l2norm in the kernel,
+    GVA heads passed as they are (16 q/k heads, 48 v heads)."""
+    from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_chunk
+
+    i = case.inputs
+    B, T, hk, K = i["q"].shape
+    hv, V = i["v"].shape[2:]
+    g, beta = gdn.gdn_gates(i["a"], i["b"], i["A_log"], i["dt_bias"])
+    q, k = (i[n].reshape(B * T, hk, K) for n in ("q", "k"))
+    v = i["v"].reshape(B * T, hv, V)
+    alpha = g.exp().reshape(B * T, hv).contiguous()
+    bet = beta.reshape(B * T, hv).contiguous()
+    s0 = i["state"].transpose(-1, -2).contiguous()
+    cu = torch.arange(0, B + 1, device="cuda", dtype=torch.int32) * T
+    out = torch.empty(B * T, hv, V, dtype=v.dtype, device="cuda")
+    fin = torch.empty_like(s0)
+    call = lambda: fi_chunk(q, k, v, g=alpha, beta=bet, scale=None,  # noqa: E731
+                            initial_state=s0, output_final_state=True, cu_seqlens=cu,
+                            use_qk_l2norm_in_kernel=True, output=out, output_state=fin)
+    call()
+    torch.cuda.synchronize()
+    o = out.reshape(B, T, hv, V)
+    st = fin.transpose(-1, -2)
+    errs = []
+    for name, (o_ref, fin_ref) in refs.items():
+        errs.append(f"{name} heads: o {_rel(o, o_ref):.1e}, state {_rel(st, fin_ref):.1e}")
+    return call, "; ".join(errs)
+
+
+PEERS = {"flashinfer": peer_flashinfer, "fla": peer_fla}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(project_paths().reports / "bench"))
+    p.add_argument("--seq-lens", default="8192,1024,4096")
+    p.add_argument("--sweep", action="store_true")
+    p.add_argument("--no-peers", action="store_true")
+    args = p.parse_args()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    from impl.kernels.gdn import triton_chunked
+
+    op = load_op_file(project_paths().cells / "gdn_prefill.yaml")
+    cell0 = next(c for c in op.cells if c.id == "long_t8192")
+    bands = {n: (b.max_ulp, b.max_rel_rms) for n, b in cell0.oracle.outputs.items()}
+    bw = copy_bandwidth()
+    rows, sweep_rows, peer_notes = [], [], []
+    for T in (int(x) for x in args.seq_lens.split(",")):
+        cell = cell0.model_copy(update={"id": f"bench_t{T}", "axes": {**cell0.axes, "seq_len": T}})
+        case = build_case(op, cell, torch.device("cuda"))
+        ref = run_spec(gdn.gdn_prefill, case, True)
+        i = case.inputs
+        nbytes = sum(i[n].numel() * i[n].element_size() for n in ("q", "k", "v", "z", "a", "b"))
+        nbytes += i["z"].numel() * 2 + 2 * i["state"].numel() * 4
+        row = {"T": T, "floor_us": nbytes / bw * 1e6}
+        for name in TIMED:
+            fn = variant_callable(op, name)
+            ok, errs = check(name, run_variant(fn, case), ref, bands)
+            out, fin = _buffers(case)
+            row[name] = bench(lambda: fn(**i, out=out, final_state=fin))[0] if ok else float("nan")
+            row[name + "_err"] = errs
+        if args.sweep and T == 8192:
+            for cfg in SWEEP:
+                fn = lambda **kw: triton_chunked.gdn_prefill_chunked(**kw, _config=cfg)  # noqa: E731
+                try:
+                    ok, errs = check(f"triton {cfg}", run_variant(fn, case), ref, bands)
+                    out, fin = _buffers(case)
+                    us = bench(lambda: fn(**i, out=out, final_state=fin))[0]
+                    parts = []
+                    for lname, launch in triton_chunked.launch_plan(**i, out=out, final_state=fin,
+                                                                    config=cfg):
+                        kern = launch()
+                        regs = f", {kern.n_regs} regs, {kern.n_spills} spills" if hasattr(
+                            kern, "n_regs") else ""
+                        parts.append(f"{lname} {bench(launch)[0]:.1f}{regs}")
+                    errs += " ; " + ", ".join(parts)
+                except Exception as e:  # noqa: BLE001 - a configuration that fails to build is listed
+                    ok, errs, us = False, f"{type(e).__name__}: {str(e)[:300]}", float("nan")
+                sweep_rows.append((cfg, us, ok, errs))
+                print("sweep", cfg, f"{us:.1f}", ok, errs, flush=True)
+        refs = {"grouped": _recurrence_ref(case)}
+        for peer, make in ({} if args.no_peers else PEERS).items():
+            try:
+                if peer == "flashinfer":
+                    refs.setdefault("interleaved", _recurrence_ref(case, interleaved=True))
+                call, err = make(case, refs)
+                us, how = bench(call)
+                row[peer] = f"{us:.1f}" + ("" if how == "graph" else " (plain launches)")
+                peer_notes.append(f"T={T} {peer}: {err}")
+            except Exception as e:  # noqa: BLE001 - a missing or incompatible peer is reported
+                row[peer] = f"not run ({type(e).__name__}: {str(e)[:80]})"
+        rows.append(row)
+        print(row, flush=True)
+        del case, ref, refs
+        torch.cuda.empty_cache()
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    import triton
+
+    versions["triton"] = triton.__version__
+    for peer, module in (("flashinfer", "flashinfer"), ("fla", "fla")):
+        try:
+            versions[peer] = __import__(module).__version__
+        except Exception:  # noqa: BLE001 - an absent peer is reported in its column
+            versions[peer] = "not installed"
+    cfg = triton_chunked.default_config(128)
+    head = ["T", "floor us", "triton_chunked us", "torch_chunked us", "flashinfer us", "fla us",
+            "triton / floor", "triton / flashinfer", "triton_chunked err (out ulp / rms ; state ulp / rms)"]
+    lines = [f"# GDN prefill, one sequence, {torch.cuda.get_device_name()}, "
+             f"{dt.date.today().isoformat()}", "",
+             f"Versions: {versions}. Copy bandwidth (read + write) measured in this run: "
+             f"{bw / 1e12:.2f} TB/s. Geometry: 16 key heads, 48 value heads, d_k = d_v = 128, bf16 "
+             f"q/k/v/z, fp32 state. Times: median, microseconds (CUDA-graph replays unless noted). "
+             f"triton_chunked runs its default configuration {cfg}; each variant was checked against "
+             f"the float64 spec with the cell bands first (NaN = failed the check). The peers run the "
+             f"recurrence only (no gated norm).", "",
+             "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        tri, fi = r["triton_chunked"], r.get("flashinfer", "")
+        try:
+            vs_fi = f"{tri / float(fi.split()[0]):.2f}x"
+        except (ValueError, IndexError, AttributeError):
+            vs_fi = "-"
+        lines.append("| " + " | ".join([str(r["T"]), f"{r['floor_us']:.1f}", f"{tri:.1f}",
+                                         f"{r['torch_chunked']:.1f}", str(r.get("flashinfer", "-")),
+                                         str(r.get("fla", "-")), f"{tri / r['floor_us']:.2f}x", vs_fi,
+                                         r["triton_chunked_err"]]) + " |")
+    lines += ["", "Peer checks (relative Frobenius error against the float64 recurrence; 'grouped' is "
+              "the spec's head mapping, value head h reads key head h // 3; 'interleaved' reads "
+              "h % 16):", ""] + [f"- {n}" for n in peer_notes]
+    if sweep_rows:
+        lines += ["", "Launch configurations of triton_chunked at T = 8192 (state pass; the prep and "
+                  "norm launches are fixed):", "", "| config | us | within bands | out ulp / rms ; "
+                  "state ulp / rms ; per launch us |", "|---|---|---|---|"]
+        lines += [f"| {c} | {us:.1f} | {ok} | {e} |" for c, us, ok, e in sweep_rows]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gdn_prefill.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

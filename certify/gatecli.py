@@ -1,0 +1,116 @@
+"""``certify gates``: run, list and check the gates (certify/gates/*.yaml).
+
+    certify gates run NAME [NAME ...]      # or --tier premerge; --record writes missing references
+    certify gates list                     # every gate, its tier, checks and last measured cost
+    certify gates check                    # load every gate file against the target; errors name
+                                           # file, line and field
+
+``run`` shows a progress bar per engine run, prints each check's verdict with its threshold and minimum
+detectable effect, and writes ``reports/gates/<gate>.json`` and ``reports/gates/summary.md``. Exit 1 when
+a gate failed, lacked a reference, or a file had errors; a skipped gate (the target cannot run here,
+e.g. no checkpoint) is reported with its reason and is not a failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from certify.gaterun import run_gate, write_report
+from certify.gates import ReferenceStore, gate_settings, load_gates, load_target
+from certify.schema import TIERS
+
+
+def _progress():
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                    TimeElapsedColumn(), transient=True)
+
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    settings = gate_settings()
+    target = load_target(settings.target)
+    loaded = load_gates(settings.gates, target)
+    store = ReferenceStore(settings.references)
+    for e in [*loaded.errors, *store.errors]:
+        print(f"error: {e}", file=sys.stderr)
+    names = list(args.names or [])
+    unknown = [n for n in names if n not in loaded.gates]
+    if unknown:
+        print(f"error: unknown gate(s) {unknown}; known: {sorted(loaded.gates)}", file=sys.stderr)
+        return 1
+    chosen = [g for n, g in sorted(loaded.gates.items())
+              if (not names or n in names) and (not args.tier or g.tier in args.tier)]
+    if not chosen:
+        print("no gate selected", file=sys.stderr)
+        return 1
+    bad = bool(loaded.errors or store.errors)
+    with _progress() as bar:
+        tasks: dict[str, int] = {}
+
+        def progress(label: str, done: int, total: int) -> None:
+            if label not in tasks:
+                tasks[label] = bar.add_task(label, total=total)
+            bar.update(tasks[label], completed=done, total=total)
+
+        for gate in chosen:
+            result = run_gate(gate, target, store, progress=progress, record=args.record,
+                              overwrite=args.overwrite)
+            bar.console.print(result.summary(), soft_wrap=True)
+            if result.recorded:
+                bar.console.print(f"  recorded references: {', '.join(result.recorded)}", soft_wrap=True)
+            if result.status != "skipped" and not args.no_report:
+                write_report(result, settings.reports)
+            bad |= result.status in ("failed", "no reference")
+    for path in store.save():
+        print(f"wrote {path.relative_to(settings.gates.parent.parent)}")
+    return 1 if bad else 0
+
+
+def _last_cost(settings, name: str) -> str:
+    path = settings.reports / f"{name}.json"
+    if not path.is_file():
+        return "not measured"
+    r = json.loads(path.read_text())
+    return f"{r['seconds']:.1f} s on {r['arch']} ({r['date']})"
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    settings = gate_settings()
+    loaded = load_gates(settings.gates)
+    for name, g in sorted(loaded.gates.items(), key=lambda kv: (TIERS.index(kv[1].tier), kv[0])):
+        checks = ", ".join(f"{c.kind}:{c.task}" for c in g.checks)
+        print(f"{g.tier:<10} {name:<28} {checks}  [{_last_cost(settings, name)}]")
+    for e in loaded.errors:
+        print(f"error: {e}")
+    return 1 if loaded.errors else 0
+
+
+def _cmd_check(args: argparse.Namespace) -> int:
+    settings = gate_settings()
+    loaded = load_gates(settings.gates, load_target(settings.target))
+    store = ReferenceStore(settings.references)
+    for e in [*loaded.errors, *store.errors]:
+        print(e)
+    print(f"{len(loaded.gates)} gate(s) loaded, {len(loaded.errors) + len(store.errors)} file(s) "
+          "with errors")
+    return 1 if loaded.errors or store.errors else 0
+
+
+def add_parser(sub) -> None:
+    """The ``gates`` subcommand of ``certify`` (certify/cli.py)."""
+    g = sub.add_parser("gates", help="accuracy gates on the trained checkpoint")
+    gsub = g.add_subparsers(dest="gates_cmd", required=True)
+    r = gsub.add_parser("run", help="run gates by name or tier, print and write their reports")
+    r.add_argument("names", nargs="*", help="gate names (default: every gate of the --tier)")
+    r.add_argument("--tier", action="append", choices=TIERS)
+    r.add_argument("--record", action="store_true",
+                   help="write a reference for every configuration run that has none")
+    r.add_argument("--overwrite", action="store_true", help="with --record: replace existing ones")
+    r.add_argument("--no-report", action="store_true", help="do not write reports/gates/")
+    r.set_defaults(fn=_cmd_run)
+    ls = gsub.add_parser("list", help="every gate with its tier, checks and last measured cost")
+    ls.set_defaults(fn=_cmd_list)
+    k = gsub.add_parser("check", help="load every gate and reference file; errors name the line")
+    k.set_defaults(fn=_cmd_check)

@@ -1,0 +1,173 @@
+"""The end of a training run: the checkpoint and its model card, with scores measured by the trained
+model itself on the evaluation sets (greedy generation, the acceptance length of the draft layer's
+chains at draft 3 and 7, and the retrieval ablation with the index selection off).
+
+The gates measure the same sets through the engine (``certify gates run --record`` writes those
+numbers into the references); the card's numbers are the training side's account of the same model.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from impl.model.checkpoint import save_checkpoint
+from impl.tasks import TASKS
+from impl.tasks.evalsets import EVAL_SETS, samples
+from impl.tasks.tokenizer import END, PAD
+from impl.train.model import TrainModel
+
+CARD_SAMPLES = {"arithmetic": 200, "mqar": 200, "retrieval_512": 100, "retrieval_2k": 50,
+                "retrieval_4k": 25, "retrieval_8k": 25}
+
+
+@torch.no_grad()
+def generate(model: TrainModel, prompts: list[list[int]], new: int, device) -> list[list[int]]:
+    """Greedy continuation by full recomputation (short answers: a handful of forwards)."""
+    out = []
+    for lo in range(0, len(prompts), 64):
+        group = prompts[lo:lo + 64]
+        seqs = [list(p) for p in group]
+        for _ in range(new):
+            L = max(len(s) for s in seqs)
+            ids = torch.full((len(seqs), L), PAD, dtype=torch.int64)
+            for b, s in enumerate(seqs):
+                ids[b, :len(s)] = torch.tensor(s)
+            logits, _ = model(ids.to(device))
+            for b, s in enumerate(seqs):
+                s.append(int(logits[b, len(s) - 1].argmax()))
+        out += [s[len(p):] for s, p in zip(seqs, group)]
+    return out
+
+
+@torch.no_grad()
+def acceptance(model: TrainModel, prompt: list[int], answer: list[int], k: int, device) -> list[int]:
+    """Tokens emitted per verify step at draft k over one greedy answer, the engine's way: the first
+    token comes from the context step; a verify step at trunk length n accepts the leading drafts that
+    equal the greedy tokens and emits one more."""
+    seq = prompt + answer
+    ids = torch.tensor([seq], device=device)
+    _, hidden = model(ids)
+    nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
+    h_prev, chain, preds = hidden, None, []
+    for j in range(1, k + 1):
+        d_logits, m = model.draft(h_prev, nxt, chain=chain)
+        kv = model.mtp_layer.mixer.kv
+        chain = [kv] if chain is None else chain + [kv]
+        preds.append(d_logits[0].argmax(-1))            # step j, row p predicts x_{p+2}
+        h_prev = torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], 1)
+    P, end = len(prompt), len(prompt) + (answer.index(END) if END in answer else len(answer) - 1)
+    steps, n = [], P
+    while n <= end and n + 1 < len(seq):
+        a = 0
+        while a < k and n + a + 1 < len(seq) and int(preds[a][n - 1 + a]) == seq[n + a + 1]:
+            a += 1
+        steps.append(a + 1)
+        n += a + 1
+    return steps
+
+
+ABLATION_SAMPLES = {"retrieval_2k": 50, "mqar": 50}
+
+
+def evaluate(model: TrainModel, device, counts: dict[str, int] = CARD_SAMPLES,
+             ablation: dict[str, int] = ABLATION_SAMPLES) -> dict:
+    model.eval()
+    out: dict = {}
+    for name, n in counts.items():
+        spec = EVAL_SETS[name]
+        items = samples(name)[:n]
+        t0 = time.perf_counter()
+        gens = generate(model, [s.prompt_ids() for s in items], spec.max_new_tokens(), device)
+        scores = [TASKS[spec.task].score(s, g) for s, g in zip(items, gens)]
+        row = {"samples": n, "accuracy": 100.0 * sum(scores) / n}
+        for k in (3, 7):
+            steps = [st for s, g in zip(items[:50], gens[:50])
+                     for st in acceptance(model, s.prompt_ids(), g, k, device)]
+            row[f"acceptance_length_k{k}"] = sum(steps) / max(1, len(steps))
+        row["seconds"] = round(time.perf_counter() - t0, 1)
+        out[name] = row
+    # Ablation: the index's top-k selection off (sink and local window only)
+    saved = model.cfg
+    model.cfg = saved.model_copy(update={"top_k_blocks": 0})
+    for name, n in ablation.items():
+        items = samples(name)[:n]
+        spec = EVAL_SETS[name]
+        gens = generate(model, [s.prompt_ids() for s in items], spec.max_new_tokens(), device)
+        out.setdefault(name, {})["accuracy_without_index_selection"] = \
+            100.0 * sum(TASKS[spec.task].score(s, g) for s, g in zip(items, gens)) / len(items)
+    model.cfg = saved
+    return out
+
+
+def export(run, out: Path, budget_s: float = 600.0, counts: dict[str, int] = CARD_SAMPLES,
+           ablation: dict[str, int] = ABLATION_SAMPLES) -> None:
+    model = run.model
+    model.eval()
+    model.set_qat(True)
+    weights = model.to_weights()
+    scores = evaluate(model, run.device, counts, ablation)
+    st, tc = run.state, run.tc
+    meta = {"seed": str(tc.seed), "trunk_steps": str(tc.trunk_steps), "mtp_steps": str(tc.mtp_steps),
+            "train_minutes": f"{st['elapsed'] / 60:.1f}", "scores": json.dumps(scores)}
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # bf16 dense weights: what the engine runs, and half the file
+    bf16 = _cast(weights, model.cfg, torch.bfloat16)
+    save_checkpoint(out, bf16, model.cfg, metadata=meta)
+    card = out.with_suffix(".md")
+    card.write_text(model_card(out, tc, st, scores))
+    print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB) and {card}")
+
+
+def _cast(weights, cfg, dtype):
+    """The weights as ``load_checkpoint(dtype=...)`` casts them (dense weights to ``dtype``; fp32
+    parameters, NVFP4 codes and scales unchanged)."""
+    import tempfile
+
+    from impl.model.checkpoint import load_checkpoint
+    with tempfile.TemporaryDirectory() as d:
+        tmp = Path(d) / "w.safetensors"
+        save_checkpoint(tmp, weights, cfg)
+        return load_checkpoint(tmp, dtype=dtype).weights
+
+
+def model_card(path: Path, tc, state, scores: dict) -> str:
+    def cell(r, key, fmt):
+        return format(r[key], fmt) if key in r else "-"
+
+    rows = "\n".join(
+        f"| `{n}` | {r.get('samples', '-')} | {cell(r, 'accuracy', '.1f')} | "
+        f"{cell(r, 'acceptance_length_k3', '.2f')} | {cell(r, 'acceptance_length_k7', '.2f')} | "
+        f"{cell(r, 'accuracy_without_index_selection', '.1f')} |" for n, r in scores.items())
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return f"""# Model card: `{path.name}`
+
+The tiny Flash-Next checkpoint the accuracy gates run on (certify/gates/). Trained by
+`python -m impl.train.train_tiny` (docs/training.md) on the synthetic tasks of impl/tasks/.
+
+| | |
+|---|---|
+| config | `ModelConfig.tiny()` ({json.dumps(path.name)}; hidden 128, 4 layers, vocab 256 bytes) |
+| seed | {tc.seed} |
+| steps | trunk {tc.trunk_steps}, MTP self-distillation {tc.mtp_steps} (unrolled over {tc.unroll} draft steps) |
+| wall time | {state['elapsed'] / 60:.1f} min of training |
+| training config | `{json.dumps(tc.model_dump(mode='json'), sort_keys=True)}` |
+| exported | {date} |
+
+## Scores of the trained model (training side, fp32 activations, NVFP4 experts)
+
+Accuracy in points on the first n samples of each evaluation set; acceptance length at draft 3 and 7
+over the verify steps inside the answers (first 50 samples); the last column is the same model with
+the QSA index selection switched off (`top_k_blocks = 0`: sink and local window only).
+
+| set | n | accuracy | AL draft 3 | AL draft 7 | accuracy without index selection |
+|---|---|---|---|---|---|
+{rows}
+
+The engine's numbers on the same sets are the gates' references (certify/gates/references/), recorded
+by `certify gates run --record` and shown in reports/gates/.
+"""

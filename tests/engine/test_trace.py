@@ -1,0 +1,89 @@
+"""The reach tracer's driver (impl/model/trace.py) builds steps as the engine does.
+
+The driver runs ``Model.trunk`` / ``Model.draft`` itself (the engine cannot run on meta tensors: it
+reads token values), mirroring ``Engine.step``, ``_after_verify``, ``_commit`` and ``_draft``. These
+tests hold it to the engine: on the tiny geometry, the real engine's dispatched calls and the driver's
+name the same ops, with the same axes, over the same step kinds, with IndexShare on and off.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from certify.catalog import load_catalog
+from certify.paths import project_paths
+from certify.reach import Mode
+from impl.model.admission import Request
+from impl.model.engine import Engine
+from impl.model.engine_config import EngineConfig, SpeculativeConfig
+from impl.model.trace import TRACER, Scenario, forward_calls, index_share_honoured
+from spec.config import ModelConfig
+from spec.model import init_weights
+
+TINY = ModelConfig.tiny()
+CATALOG = load_catalog(project_paths().cells)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def _signature(calls) -> dict[str, set]:
+    """op -> the set of (axis names, step kind) its calls state."""
+    out: dict[str, set] = {}
+    for c in calls:
+        axes = dict(c.axes)
+        out.setdefault(c.op, set()).add((tuple(sorted(axes)), axes.get("step")))
+    return out
+
+
+def _scenario(**kw) -> Scenario:
+    return Scenario(name="s", why="a driver test scenario", max_num_tokens=40, **kw)
+
+
+@pytest.mark.parametrize("share, kv", [(False, "bf16"), (True, "nvfp4")])
+def test_the_driver_reaches_what_the_engine_dispatches(share, kv):
+    weights = init_weights(TINY, seed=0, dtype=torch.bfloat16)
+    config = EngineConfig(model="tiny", kv_cache_dtype=kv, max_batch_size=2, max_num_tokens=40,
+                          max_seq_len=160, batch_invariant=True,
+                          speculative=SpeculativeConfig(draft_length=2, index_share=share))
+    engine = Engine(config, weights)
+    engine.dispatcher.start_trace()
+    gen = torch.Generator().manual_seed(1)
+    engine.generate([Request(request_id=f"r{i}", max_new_tokens=6, prompt=tuple(
+        torch.randint(0, TINY.vocab_size, (n,), generator=gen).tolist())) for i, n in enumerate([50, 37])])
+    engine_calls = engine.dispatcher.stop_trace()
+
+    meta = init_weights(TINY, dtype=torch.bfloat16, device="meta")
+    common = dict(draft_length=2, index_share=share, kv_dtype=kv)
+    driver_calls = []
+    for sc in (_scenario(prefill=[{"chunk": 40, "context": 40, "last": False}], **common),
+               _scenario(prefill=[{"chunk": 10, "context": 50}], **common),
+               _scenario(verify=[{"requests": 2, "context": 60}], accepted=1, **common)):
+        driver_calls += forward_calls(sc, CATALOG, TINY, meta)
+    assert _signature(driver_calls) == _signature(engine_calls)
+
+
+def test_index_share_removes_the_draft_layers_own_selection_for_the_trunks_rows():
+    meta = init_weights(TINY, dtype=torch.bfloat16, device="meta")
+
+    def selections(share: bool) -> int:
+        sc = _scenario(prefill=[{"chunk": 40, "context": 40}], draft_length=2, index_share=share)
+        return sum(c.op == "qsa_select" for c in forward_calls(sc, CATALOG, TINY, meta))
+
+    if not index_share_honoured():
+        pytest.skip("the engine does not pass the trunk's selection to the draft layer yet")
+    # without sharing: one selection per trunk QSA layer, the draft pass over the chunk, one draft row
+    assert selections(True) == selections(False) - 1
+
+
+def test_a_mode_the_engine_refuses_is_recorded_with_the_rules_reason():
+    sc = Scenario(name="s", why="batch-invariant on a GPU arch", decode=[{"requests": 1,
+                                                                         "context": 64}])
+    traces = TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])
+    assert "ops_run_on_the_arch" in traces["sm_90/batch_invariant"].refused

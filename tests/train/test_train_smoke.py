@@ -1,0 +1,103 @@
+"""The training loop at a reduced size on the CPU: the loss falls, a run split in two (stop, save,
+resume in a new process state) ends bit for bit where an unbroken run ends, through both phases, and
+the export writes a checkpoint the engine loads."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from impl.train.data import DataConfig, make_batch
+from impl.train.train_tiny import Run, TrainConfig, greedy_prefix
+
+SMALL = TrainConfig(seed=1, trunk_steps=6, mtp_steps=2, lr=3e-3, mtp_lr=3e-3, warmup=1,
+                    dense_frac=0.34, qat_frac=0.5, unroll=2,
+                    data=DataConfig(tokens=1200, retrieval_lengths=(256,), max_batch=8))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread: CPU scatter-adds (the embedding backward) are then ordered
+    yield
+    torch.set_num_threads(before)
+
+
+def _answer_loss(run: Run, batch) -> float:
+    run.model.eval()
+    with torch.no_grad():
+        logits, _ = run.model(batch.ids)
+    ce = F.cross_entropy(logits[:, :-1].reshape(-1, 256), batch.ids[:, 1:].reshape(-1),
+                         reduction="none").view(batch.ids.shape[0], -1)
+    m = batch.taught[:, 1:]
+    return float((ce * m).sum() / m.sum())
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory):
+    run = Run(tmp_path_factory.mktemp("a"), SMALL, "cpu")
+    probe = make_batch(99, "probe", 0, SMALL.data)
+    before = _answer_loss(run, probe)
+    losses = []
+    assert run.train(math.inf, on_step=lambda r, e: losses.append(e)) is True
+    return run, before, _answer_loss(run, probe), losses
+
+
+def test_loss_falls(unbroken):
+    run, before, after, losses = unbroken
+    assert [e["phase"] for e in losses] == ["trunk"] * 6 + ["mtp"] * 2
+    assert after < before - 0.5, (before, after)
+    assert run.state["phase"] == "export"
+
+
+def test_resume_continues_identically(unbroken, tmp_path):
+    run, *_ = unbroken
+    first = Run(tmp_path, SMALL, "cpu")
+    assert first.train(math.inf, max_steps=4) is False          # stops mid-trunk and saves
+    second = Run(tmp_path, None, "cpu")                         # a fresh process's view
+    assert (second.state["phase"], second.state["step"]) == ("trunk", 4)
+    assert second.train(math.inf, max_steps=3) is False         # through the phase change
+    assert (second.state["phase"], second.state["step"]) == ("mtp", 1)
+    third = Run(tmp_path, None, "cpu")
+    assert third.train(math.inf) is True
+    a, b = run.model.state_dict(), third.model.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_a_different_configuration_is_refused(tmp_path):
+    Run(tmp_path, SMALL, "cpu").save()
+    with pytest.raises(SystemExit):
+        Run(tmp_path, SMALL.model_copy(update={"seed": 2}), "cpu")
+
+
+def test_greedy_prefix_stops_after_the_first_wrong_answer_token():
+    batch = make_batch(0, "probe", 3, SMALL.data)
+    V = 256
+    logits = F.one_hot(torch.cat([batch.ids[:, 1:], batch.ids[:, :1]], 1), V).float()
+    tokens, valid = greedy_prefix(logits, batch)                 # a perfect trunk: all of it
+    assert torch.equal(tokens, batch.ids)
+    b, t = 0, int(batch.prompt_lens[0]) + 1                      # now wrong at answer token t
+    logits[b, t - 1] = F.one_hot(torch.tensor((int(batch.ids[b, t]) + 1) % V), V).float()
+    tokens, valid = greedy_prefix(logits, batch)
+    assert int(tokens[b, t]) != int(batch.ids[b, t]) and bool(valid[b, t]) and not bool(valid[b, t + 1])
+
+
+def test_export_writes_a_checkpoint_and_card_the_gate_target_runs(unbroken, tmp_path):
+    from impl.gates.target import FlashNextGates
+    from impl.train.export import export
+
+    run, *_ = unbroken
+    out = tmp_path / "tiny.safetensors"
+    export(run, out, counts={"mqar": 2}, ablation={"mqar": 2})
+    assert out.stat().st_size < 16 * 2**20
+    card = out.with_suffix(".md").read_text()
+    assert "| seed | 1 |" in card and "`mqar`" in card
+    target = FlashNextGates(checkpoint=out, device="cpu")
+    assert target.unavailable() is None
+    res = target.evaluate({}, "mqar", 2)
+    assert len(res.scores) == 2 and res.accepted == []
