@@ -80,7 +80,8 @@ def test_plain_decoding_matches_spec_bitwise(weights, kv, state):
 
 
 @pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", 3), ("fp8", "bf16", 1),
-                                        ("nvfp4", "fp32", 7), ("bf16", "bf16", 2)])
+                                        ("nvfp4", "fp32", 7), ("bf16", "bf16", 2),
+                                        ("fp8", "fp32", 5), ("nvfp4", "bf16", 3)])
 def test_speculative_decoding_matches_spec_bitwise(weights, kv, state, k):
     """Context, verify, commit (the cached-replay oracle) and draft passes, bit for bit."""
     e = _engine(weights, kv=kv, state=state, k=k, budget=40 if k < 7 else 48)
