@@ -125,6 +125,74 @@ def _cmd_check(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def _cmd_lists(args: argparse.Namespace) -> int:
+    """Generate the test lists (or check them, or explain one item's place), print the tier table."""
+    import subprocess  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    from certify.budgets import BudgetsError  # noqa: PLC0415
+    from certify.lists import explain, generate, load_inputs, render_all  # noqa: PLC0415
+
+    paths = project_paths()
+    if args.collect:
+        out = paths.lists / "items.json"
+        rc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+                             "--certify-items", str(out)], cwd=paths.root,
+                            stdout=subprocess.DEVNULL).returncode
+        if rc != 0:
+            print(f"collection failed (exit {rc}): run `pytest --collect-only` to see why")
+            return 1
+        print(f"wrote {out.relative_to(paths.root)}")
+    try:
+        inp = load_inputs(paths)
+    except BudgetsError as e:
+        print(f"error: {e}")
+        return 1
+    t0 = time.perf_counter()
+    sel = generate(inp, budget_premerge=args.budget_premerge)
+    seconds = time.perf_counter() - t0
+    if args.explain:
+        print(explain(sel, inp, args.explain))
+        return 0
+    files = render_all(inp, sel if args.budget_premerge is None else None)
+    report = files["reports/lists.md"]
+    if args.budget_premerge is not None:
+        from certify.lists import report_text, sweep  # noqa: PLC0415
+        report = report_text(inp, sel, sweep(inp))
+    table = report.split("\n## ")[0]
+    print(table.split("\n", 3)[3] if table.startswith("# ") else table)
+    print(f"generated {len(sel.items)} items in {seconds * 1000:.0f} ms")
+    where = {"lists": paths.lists, "reports": paths.reports}
+    stale = []
+    for key, text in sorted(files.items()):
+        base, _, rel = key.partition("/")
+        target = where[base] / rel
+        if not target.is_file() or target.read_text() != text:
+            stale.append(target)
+    orphans = [p for p in sorted(paths.lists.glob("shards/*.yml"))
+               if f"lists/shards/{p.name}" not in files]
+    if args.check or args.budget_premerge is not None:
+        if args.budget_premerge is not None:
+            print("(a what-if budget: nothing written)")
+            return 0
+        for t in stale + orphans:
+            print(f"stale: {t.relative_to(paths.root)}")
+        print("the lists are current" if not stale and not orphans else
+              "the lists are stale: run `certify lists` and commit test_lists/ and reports/lists.*")
+        return 1 if stale or orphans else 0
+    for t in orphans:
+        t.unlink()
+    for key, text in sorted(files.items()):
+        base, _, rel = key.partition("/")
+        target = where[base] / rel
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if not target.is_file() or target.read_text() != text:
+            target.write_text(text)
+    print(f"wrote {len(stale)} changed file(s) of {len(files)} under "
+          f"{paths.lists.relative_to(paths.root)}/ and {paths.reports.relative_to(paths.root)}/")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     choose_triton_mode()
     p = argparse.ArgumentParser(prog="certify", description=__doc__)
@@ -153,6 +221,15 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=_cmd_schema)
     k = sub.add_parser("check", help="load every cell file and report errors")
     k.set_defaults(fn=_cmd_check)
+    ls = sub.add_parser("lists", help="generate the pre-merge / post-merge / on-demand test lists")
+    ls.add_argument("--budget-premerge", type=float, default=None, metavar="S",
+                    help="what if the pre-merge budget were S (its unit): print, write nothing")
+    ls.add_argument("--explain", metavar="ITEM", help="why an item (id or unique part) sits where it does")
+    ls.add_argument("--check", action="store_true", help="compare with the committed lists, write "
+                                                         "nothing; exit 1 when stale")
+    ls.add_argument("--collect", action="store_true", help="first re-collect the item universe "
+                                                           "(test_lists/items.json)")
+    ls.set_defaults(fn=_cmd_lists)
     from certify.gatecli import add_parser as add_gates_parser  # noqa: E402 (its own module)
     add_gates_parser(sub)
     args = p.parse_args(argv)

@@ -20,6 +20,8 @@ class ProjectPaths:
     scenarios: Path     # the scenarios the reach tracer runs (data)
     tracer: str | None  # "module:object" of the target's tracer (see certify.reach.Tracer)
     reach: Path         # the generated reach file (``certify trace``)
+    budgets: Path       # the test lists' budgets and risk weights (``certify lists``)
+    lists: Path         # the generated test lists, the item universe and the durations file
 
 
 def _find_root(start: Path) -> Path:
@@ -50,4 +52,6 @@ def project_paths(start: str | None = None) -> ProjectPaths:
         scenarios=get("scenarios", "certify/scenarios.yaml"),
         tracer=cfg.get("tracer"),
         reach=get("reach", "reports/reach.json"),
+        budgets=get("budgets", "certify/budgets.yaml"),
+        lists=get("lists", "test_lists"),
     )

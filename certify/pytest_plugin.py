@@ -7,6 +7,13 @@
 - Any other test without a tier marker is pre-merge by default, so ``pytest -m premerge`` runs the
   framework's own tests, the spec's property tests and guards, and the pre-merge cells.
 - ``--certify-receipts DIR`` appends a receipt per certified item to DIR (one file per worker).
+- Generated test lists (``certify.lists``): when the pre-merge list (``[tool.certify] lists``, default
+  ``test_lists/premerge.yml``) exists, an item's tier is the list that holds it (pre-merge iff its id is
+  in ``premerge.yml``), so ``pytest -m premerge`` runs exactly the pre-merge list; an item in no list
+  keeps its declared tier (and the lists' staleness test fails until they are regenerated).
+- ``--certify-items FILE`` writes the item universe (every item id with its declared tier, arch, guard
+  and property ops, cell or gate) as JSON; ``--record-durations [FILE]`` records each item's measured
+  duration (setup + call + teardown; skipped items are not measured) into the durations file.
 """
 
 from __future__ import annotations
@@ -23,10 +30,18 @@ from certify.plan import Target, targets
 from certify.receipts import make_receipt, write_receipts
 from certify.schema import TIERS
 
+UNIVERSE = pytest.StashKey[list]()  # the item records of a session that collected the whole suite
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--certify-receipts", default=None,
                      help="directory to write receipts of the certified items into")
+    parser.addoption("--certify-items", default=None, metavar="FILE",
+                     help="write every collected item (id, declared tier, arch, guard/property ops, "
+                          "cell, gate) as JSON to FILE (the universe of `certify lists`)")
+    parser.addoption("--record-durations", nargs="?", const="", default=None, metavar="FILE",
+                     help="record the measured duration of every item that ran (not skipped) into "
+                          "the durations file (default: the lists folder's durations.json)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -111,6 +126,52 @@ class CertifyItem(pytest.Item):
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from certify.lists import item_record, list_tiers  # noqa: PLC0415 (keeps plugin import light)
+
+    declared = {}
     for item in items:
-        if not any(item.get_closest_marker(t) for t in TIERS):
-            item.add_marker(pytest.mark.premerge)
+        tier = next((m.name for m in item.iter_markers() if m.name in TIERS), "premerge")
+        declared[item.nodeid] = tier
+        if not item.get_closest_marker(tier):
+            item.add_marker(getattr(pytest.mark, tier))
+    records = [item_record(item, declared[item.nodeid]) for item in items]
+    if config.args_source == pytest.Config.ArgsSource.TESTPATHS and not config.getoption("keyword"):
+        config.stash[UNIVERSE] = records
+    out = config.getoption("--certify-items")
+    if out and not hasattr(config, "workerinput"):
+        from certify.lists import write_items  # noqa: PLC0415
+        write_items(Path(out), records)
+    listed = list_tiers(project_paths(str(config.rootpath)).lists)
+    if listed is None:
+        return
+    # The lists decide: strip every tier marker from the items and their parents, then give each
+    # item exactly one, the tier of the list that holds it (or its declared tier when in none).
+    for item in items:
+        for node in item.listchain():
+            if any(m.name in TIERS for m in node.own_markers):
+                node.own_markers[:] = [m for m in node.own_markers if m.name not in TIERS]
+    for item in items:
+        item.add_marker(getattr(pytest.mark, listed.get(item.nodeid, declared[item.nodeid])))
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.outcome == "skipped":
+        _DURATIONS.setdefault("skipped", set()).add(report.nodeid)
+    _DURATIONS.setdefault("seconds", {})
+    _DURATIONS["seconds"][report.nodeid] = _DURATIONS["seconds"].get(report.nodeid, 0.0) + \
+        report.duration
+
+
+_DURATIONS: dict = {}
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    target = config.getoption("--record-durations")
+    if target is None or hasattr(config, "workerinput"):
+        return
+    from certify.lists import record_durations  # noqa: PLC0415
+    skipped = _DURATIONS.get("skipped", set())
+    measured = {k: v for k, v in _DURATIONS.get("seconds", {}).items() if k not in skipped}
+    path = Path(target) if target else project_paths(str(config.rootpath)).lists / "durations.json"
+    record_durations(path, measured)

@@ -227,12 +227,14 @@ def test_the_project_gate_files_load_against_the_target():
 
 
 def test_gate_items_are_collected_with_their_tier_and_skip_with_the_reason():
+    # Every gate item, whichever list holds it (the generated lists decide the tiers: certify.lists).
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-q", "-rs",
-                          "-m", "premerge", "certify/gates"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=120)
+                          "-m", "premerge or postmerge or ondemand", "certify/gates"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
     text = out.stdout + out.stderr
     from impl.gates.target import TARGET
     if TARGET.unavailable() is None:
         pytest.skip("a trained checkpoint is present: the gates run instead of skipping")
     assert out.returncode == 0, text
-    assert "2 skipped" in text and "no trained checkpoint at checkpoints/flashnext-tiny" in text
+    n = len(list((ROOT / "certify" / "gates").glob("*.yaml")))
+    assert f"{n} skipped" in text and "no trained checkpoint at checkpoints/flashnext-tiny" in text

@@ -8,26 +8,29 @@ e^{G_t - G_i} (q^_t . k^_i) u_i`` and ``S' = e^{G_C} S + sum_i e^{G_C - G_i} k^_
 
 Three launches:
 1. ``_prep_kernel``, one program per (chunk, value head), all chunks in parallel: the gates, the
-   l2norm factors, ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D by forward
+   l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D by forward
    substitution in fp32, then ``(I + A)^{-1} = (I - N + N^2 - N^3) D`` with N = D A_offdiag strictly
-   block-lower, tf32x3 dots) and the decayed causal score matrix ``QKD[t, i] = e^{G_t - G_i}
-   (q^_t . k^_i)`` (i <= t), which only the output reads.
-2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 16 state columns), sequential
-   over the chunks: ``U = Aib (V - e^G (K^ S))``, the output, and the state carry. The state's columns
-   are independent (only the gated norm couples them), so V splits into tiles for parallelism.
+   block-lower, tf32x3 dots).
+2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
+   sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
+   matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
+   cheaper than a round trip through memory) and the state carry. The state's columns are independent
+   (only the gated norm couples them), so V splits into tiles for parallelism.
 3. ``_gated_norm_kernel``: the gated RMSNorm over whole rows of o (fused into 2. when BV == V).
 
 Numerics (the cell bands are fp32-tight on the state, 64 eps RMS, and 2 bf16 ulp on out; see
-gdn_prefill.yaml): every product is fp32-accurate. The tensor-core dots use tf32 only on operands that
-are exact in tf32 or split into two tf32 halves: q and k enter as their bf16 values (exact in tf32) and
-the l2norm factors are applied to the dot's result; the fp32 operand x of such a dot is split as
-``x = hi + lo`` with hi = x rounded to tf32 (relative error of the pair about 2^-22); dots of two fp32
-operands (Aib times the right-hand side, QKD times U, the block products of the inverse) are
-``tf32x3``. The output's dots were first one-tf32-operand (2^-11 relative on o): on the H200 that
-flipped enough first roundings of the gated norm for one element of long_t8192 to land 2.01 ulp off
-(band 2), so o is fp32-accurate too. QKD stays fp32 in memory: an fp16 copy lost rows whose o is tiny
-(strong decay, the norm's eps regime), 3 ulp measured. Under the interpreter every dot is an fp32
-numpy matmul.
+gdn_prefill.yaml): every product is fp32-accurate. q and k enter every dot as their bf16 values (the
+l2norm factors are applied to the dot's result), so a dot of q or k with a bf16 operand has exact
+products and fp32 accumulation. The fp32 operand x of such a dot (the state S, the scaled deltas U) is
+split into three bf16 pieces ``x = x1 + x2 + x3`` (each the nearest bf16 of what the previous left,
+about 2^-24 relative together) and the dot is three bf16 tensor-core dots: fp32-accurate at half the
+tensor-core time and half the operand registers of the earlier tf32 hi/lo split (this revision; the
+previous one held q and k as fp32 tiles and spilled at the 255-register cap). Dots of two fp32 operands
+(Aib times the right-hand side, QKD times U, the block products of the inverse) are ``tf32x3``. The
+output is fp32-accurate too: a one-tf32-operand output (2^-11 relative on o) flipped enough first
+roundings of the gated norm on the H200 for one element of long_t8192 to land 2.01 ulp off (band 2).
+Triton's interpreter multiplies bf16 tensors as raw 16-bit integers, so there the bf16 operands go
+through fp32 (exact) and every dot is an fp32 numpy matmul.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from impl.kernels.triton_support import round_to_bf16, softplus
+from impl.kernels.triton_support import INTERPRETING, round_to_bf16, softplus
 
 CHUNK = 64
 L2_EPS = 1e-6
@@ -45,16 +48,35 @@ NORM_EPS = 1e-6
 
 
 @triton.jit
-def _round_tf32(x):
-    """fp32 -> nearest tf32 value (10 mantissa bits, ties to even), as fp32; x - result is exact."""
-    bits = x.to(tl.uint32, bitcast=True)
-    rounded = (bits + 0xFFF + ((bits >> 13) & 1)) & 0xFFFFE000
-    return rounded.to(tl.float32, bitcast=True)
+def _bdot(a, b, acc, DOT: tl.constexpr):
+    """acc + a @ b for bf16 a, b with fp32 accumulation (the products are exact). DOT "bf16": a bf16
+    tensor-core dot; "tf32": the same exact values as a tf32 dot (twice the tensor-core time);
+    "f32": through fp32 in full precision, for Triton's interpreter, which multiplies bf16 tensors as
+    their raw 16-bit integers."""
+    if DOT == "bf16":
+        return tl.dot(a, b, acc)
+    elif DOT == "tf32":
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="tf32")
+    else:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
 
 
 @triton.jit
-def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, qkd_buf, T, NT, scale, l2_eps,
-                 HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr):
+def _split3_bf16(x):
+    """fp32 -> three bf16 tensors whose sum is x to about 2^-24 relative (each piece the nearest bf16
+    of what the previous ones left; every subtraction is exact). A bf16 dot of an exact bf16 operand
+    with the three pieces, fp32-accumulated, is fp32-accurate."""
+    x1 = round_to_bf16(x)
+    r = x - x1
+    x2 = round_to_bf16(r)
+    x3 = round_to_bf16(r - x2)
+    return x1.to(tl.bfloat16), x2.to(tl.bfloat16), x3.to(tl.bfloat16)
+
+
+@triton.jit
+def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l2_eps,
+                 HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT: tl.constexpr,
+                 TLOAD: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1)
     i_b = bh // HV
@@ -65,10 +87,12 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, qkd_buf, T, NT,
     t = c * 64 + rc
     m = t < T
     row_qk = (i_b * T + t).to(tl.int64) * HK + i_hk
-    # keys and queries as their bf16 values (exact in tf32); the l2norm factors scale the dots.
-    kf = tl.load(k + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
-    qf = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    # keys as their bf16 values: the bf16 dot's products are exact and fp32-accumulated; the l2norm
+    # factors scale the dot's result.
+    kb = tl.load(k + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
+    kf = kb.to(tl.float32)
     rk = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + l2_eps)
+    qf = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
     rq = scale / tl.sqrt(tl.sum(qf * qf, axis=1) + l2_eps)
     row_ab = (i_b * T + t).to(tl.int64) * HV + i_h
     aa = tl.load(a + row_ab, mask=m, other=0.0).to(tl.float32)
@@ -83,15 +107,16 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, qkd_buf, T, NT,
     tl.store(gbuf + base + rc, G)
     tl.store(rbuf + 2 * base + rc, rk)
     tl.store(rbuf + 2 * base + 64 + rc, rq)
-    causal = rc[:, None] >= rc[None, :]
-    decay = tl.exp(tl.where(causal, G[:, None] - G[None, :], float("-inf")))
-    KK = tl.dot(kf, tl.trans(kf), input_precision="tf32")
-    QK = tl.dot(qf, tl.trans(kf), input_precision="tf32")
+    if TLOAD:   # k^T as its own load (one use per loaded tile)
+        kbT = tl.load(k + row_qk[None, :] * K + offs_k[:, None], mask=m[None, :], other=0.0)
+    else:
+        kbT = tl.trans(kb)
+    KK = _bdot(kb, kbT, tl.zeros([64, 64], tl.float32), DOT)
     sq = (bh * NT + c).to(tl.int64) * 4096 + rc[:, None] * 64 + rc[None, :]
-    # QKD[t, i] = e^{G_t - G_i} q^_t . k^_i for i <= t (read by the output only)
-    tl.store(qkd_buf + sq, rq[:, None] * rk[None, :] * decay * QK)
     # A[t, i] = beta_t e^{G_t - G_i} k^_t . k^_i for i < t
-    A = tl.where(rc[:, None] > rc[None, :], (beta * rk)[:, None] * rk[None, :] * decay * KK, 0.0)
+    strict = rc[:, None] > rc[None, :]
+    decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], float("-inf")))
+    A = tl.where(strict, (beta * rk)[:, None] * rk[None, :] * decay * KK, 0.0)
     tl.store(ai_buf + sq, A)
     tl.debug_barrier()
     # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once, by forward substitution in fp32:
@@ -131,11 +156,11 @@ def _gated_norm_rows(o, w, zz, norm_eps, V: tl.constexpr):
 
 
 @triton.jit
-def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_buf, qkd_buf, o_buf, out,
-                       T, NT, scale, l2_eps, norm_eps,
+def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_buf, o_buf, out,
+                       T, NT, norm_eps,
                        HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
-                       BV: tl.constexpr, FUSE_NORM: tl.constexpr, P_SPLIT: tl.constexpr,
-                       P_FULL: tl.constexpr):
+                       BV: tl.constexpr, FUSE_NORM: tl.constexpr, P_FULL: tl.constexpr,
+                       DOT: tl.constexpr, TLOAD: tl.constexpr):
     pid = tl.program_id(0)
     NV: tl.constexpr = V // BV
     i_v = pid % NV
@@ -146,6 +171,7 @@ def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_bu
     offs_k = tl.arange(0, K)
     offs_v = i_v * BV + tl.arange(0, BV)
     rc = tl.arange(0, 64)
+    causal = rc[:, None] >= rc[None, :]
     tile = offs_k[:, None] * V + offs_v[None, :]
     S = tl.load(state + bh.to(tl.int64) * (K * V) + tile).to(tl.float32)
     sq = 64 * 64
@@ -154,10 +180,9 @@ def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_bu
         m = t < T
         row_qk = (i_b * T + t).to(tl.int64) * HK + i_hk
         row_v = (i_b * T + t).to(tl.int64) * HV + i_h
-        kf = tl.load(k + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None],
-                     other=0.0).to(tl.float32)
-        qf = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None],
-                     other=0.0).to(tl.float32)
+        # q and k stay bf16 (exact): every dot with them is a bf16 dot, fp32-accumulated
+        kb = tl.load(k + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
+        qb = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
         vv = tl.load(v + row_v[:, None] * V + offs_v[None, :], mask=m[:, None],
                      other=0.0).to(tl.float32)
         gp = gbuf + (bh * NT + c).to(tl.int64) * 64
@@ -165,18 +190,26 @@ def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_bu
         G_C = tl.load(gp + 63)
         blk = (bh * NT + c).to(tl.int64) * sq + rc[:, None] * 64 + rc[None, :]
         Aib = tl.load(ai_buf + blk)
-        QKD = tl.load(qkd_buf + blk)
         rk = tl.load(rbuf + 2 * (bh * NT + c).to(tl.int64) * 64 + rc)
         rq = tl.load(rbuf + 2 * (bh * NT + c).to(tl.int64) * 64 + 64 + rc)
         eG = tl.exp(G)
-        S_hi = _round_tf32(S)
-        S_lo = S - S_hi
-        KS = tl.dot(kf, S_hi, input_precision=P_SPLIT)
-        KS = tl.dot(kf, S_lo, KS, input_precision=P_SPLIT)
+        s1, s2, s3 = _split3_bf16(S)
+        KS = _bdot(kb, s3, tl.zeros([64, BV], tl.float32), DOT)
+        KS = _bdot(kb, s2, KS, DOT)
+        KS = _bdot(kb, s1, KS, DOT)
         rhs = vv - (eG * rk)[:, None] * KS
         U = tl.dot(Aib, rhs, input_precision=P_FULL)
-        qS = tl.dot(qf, S_hi, input_precision=P_SPLIT)
-        qS = tl.dot(qf, S_lo, qS, input_precision=P_SPLIT)
+        qS = _bdot(qb, s3, tl.zeros([64, BV], tl.float32), DOT)
+        qS = _bdot(qb, s2, qS, DOT)
+        qS = _bdot(qb, s1, qS, DOT)
+        # QKD[t, i] = e^{G_t - G_i} q^_t . k^_i for i <= t
+        if TLOAD:   # k^T as its own load (one use per loaded tile)
+            kT = tl.load(k + row_qk[None, :] * K + offs_k[:, None], mask=m[None, :], other=0.0)
+        else:
+            kT = tl.trans(kb)
+        QK = _bdot(qb, kT, tl.zeros([64, 64], tl.float32), DOT)
+        QKD = (rq[:, None] * rk[None, :]) * tl.exp(tl.where(causal, G[:, None] - G[None, :],
+                                                            float("-inf"))) * QK
         o = tl.dot(QKD, U, (eG * rq)[:, None] * qS, input_precision=P_FULL)
         if FUSE_NORM:
             zz = tl.load(z + row_v[:, None] * V + offs_v[None, :], mask=m[:, None],
@@ -188,11 +221,10 @@ def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_bu
         else:
             tl.store(o_buf + row_v[:, None] * V + offs_v[None, :], o, mask=m[:, None])
         Ud = (rk * tl.exp(G_C - G))[:, None] * U
-        U_hi = _round_tf32(Ud)
-        U_lo = Ud - U_hi
-        kT = tl.trans(kf)
-        upd = tl.dot(kT, U_hi, input_precision=P_SPLIT)
-        upd = tl.dot(kT, U_lo, upd, input_precision=P_SPLIT)
+        u1, u2, u3 = _split3_bf16(Ud)
+        upd = _bdot(kT, u3, tl.zeros([K, BV], tl.float32), DOT)
+        upd = _bdot(kT, u2, upd, DOT)
+        upd = _bdot(kT, u1, upd, DOT)
         S = tl.exp(G_C) * S + upd
     tl.store(final_state + bh.to(tl.int64) * (K * V) + tile, S)
 
@@ -210,10 +242,14 @@ def _gated_norm_kernel(o_buf, z, norm_w, out, n_rows, norm_eps, V: tl.constexpr,
              mask=m[:, None])
 
 
+# tuned on the H200 (reports/bench/gdn_prefill.md); one line (the device probe rewrites it)
+_DEFAULT_CONFIG = {"bv": 32, "num_warps": 4, "num_stages": 1, "prep_warps": 4, "tload": True, "dot": "bf16", "exact": False}  # noqa: E501
+
+
 def default_config(V: int) -> dict:
     """Tile of state columns a program and launch shape of the state pass (tuned on the H200,
     reports/bench/gdn_prefill.md)."""
-    return {"bv": min(V, 16), "num_warps": 4, "num_stages": 2, "prep_warps": 4, "exact": False}
+    return {**_DEFAULT_CONFIG, "bv": min(V, _DEFAULT_CONFIG["bv"])}
 
 
 def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state,
@@ -239,23 +275,25 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     gbuf = torch.empty(B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
     rbuf = torch.empty(2 * B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
     ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)
-    qkd_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)
     scale = K ** -0.5
     fuse = bv == V
     o_buf = out if fuse else torch.empty(B * T * HV * V, dtype=torch.float32, device=dev)
     exact = cfg["exact"]
+    dot = "f32" if INTERPRETING or exact else cfg["dot"]
     rows = B * T * HV
     R = 16
 
     def prep():
-        return _prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, qkd_buf, T, NT,
-                                   scale, L2_EPS, HK=HK, HV=HV, K=K, num_warps=cfg["prep_warps"])
+        return _prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT,
+                                   scale, L2_EPS, HK=HK, HV=HV, K=K, DOT=dot, TLOAD=cfg["tload"],
+                                   num_warps=cfg["prep_warps"])
 
     def state_pass():
         return _state_pass_kernel[(B * HV * (V // bv),)](
-            q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_buf, qkd_buf, o_buf, out,
-            T, NT, scale, L2_EPS, NORM_EPS, HK=HK, HV=HV, K=K, V=V, BV=bv, FUSE_NORM=fuse,
-            P_SPLIT="ieee" if exact else "tf32", P_FULL="ieee" if exact else "tf32x3",
+            q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_buf, o_buf, out,
+            T, NT, NORM_EPS, HK=HK, HV=HV, K=K, V=V, BV=bv, FUSE_NORM=fuse,
+            P_FULL="ieee" if exact else "tf32x3", DOT=dot,
+            TLOAD=cfg["tload"],
             num_warps=cfg["num_warps"],
             num_stages=cfg["num_stages"])
 

@@ -1,0 +1,142 @@
+"""The generated test lists (certify.lists): current, deterministic, fast, sensible under a shrinking
+budget, at least as good as a hand-written list of the same budget; the budgets file's errors."""
+
+import fnmatch
+import subprocess
+import sys
+import time
+
+import pytest
+
+from certify.budgets import BudgetsError, load_budgets
+from certify.lists import generate, items_text, list_tiers, load_inputs, render_all, sweep
+from certify.paths import project_paths
+from certify.pytest_plugin import UNIVERSE
+
+PATHS = project_paths()
+REGENERATE = "run `certify lists` (`certify lists --collect` when tests changed) and commit test_lists/"
+
+
+@pytest.fixture(scope="module")
+def inp():
+    return load_inputs(PATHS)
+
+
+def test_the_committed_lists_are_current(inp):
+    where = {"lists": PATHS.lists, "reports": PATHS.reports}
+    stale = []
+    for key, text in render_all(inp).items():
+        base, _, rel = key.partition("/")
+        p = where[base] / rel
+        if not p.is_file() or p.read_text() != text:
+            stale.append(str(p.relative_to(PATHS.root)))
+    assert not stale, f"stale: {stale}; {REGENERATE}"
+
+
+def test_the_item_universe_is_current(request, tmp_path):
+    """test_lists/items.json is what this suite collects (from this session when it collected the
+    whole suite, else from a collection run)."""
+    records = request.config.stash.get(UNIVERSE, None)
+    if records is None:
+        out = tmp_path / "items.json"
+        subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
+                        "--certify-items", str(out)], cwd=PATHS.root, capture_output=True, timeout=120)
+        text = out.read_text()
+    else:
+        text = items_text(records)
+    committed = (PATHS.lists / "items.json").read_text()
+    assert committed == text, f"test_lists/items.json is stale: {REGENERATE}"
+
+
+def test_pytest_premerge_follows_the_premerge_list(request):
+    tiers = list_tiers(PATHS.lists)
+    assert tiers is not None
+    for item in request.session.items:
+        if item.nodeid in tiers:
+            marks = {m.name for m in item.iter_markers()} & {"premerge", "postmerge", "ondemand"}
+            assert marks == {tiers[item.nodeid]}, (item.nodeid, marks)
+
+
+def test_generation_is_deterministic_and_fast(inp):
+    t0 = time.perf_counter()
+    a = generate(inp)
+    seconds = time.perf_counter() - t0
+    b = generate(inp)
+    assert seconds < 1.0, f"generation took {seconds:.2f} s"
+    assert [(i.id, i.tier, i.shard) for i in a.items] == [(i.id, i.tier, i.shard) for i in b.items]
+    assert all(t.gap is not None and t.gap <= 1e-9 for t in a.tiers.values())  # exact
+    pre = a.tiers["premerge"]
+    assert pre.cost <= pre.budget + 1e-6 or all(i.mandatory for i in pre.items)
+
+
+def test_every_item_is_placed_once_and_guards_are_premerge(inp):
+    sel = generate(inp)
+    placed = [i.id for t in sel.tiers.values() for i in t.items]
+    assert sorted(placed) == sorted(i.id for i in sel.items)
+    assert all(i.tier == "premerge" for i in sel.items if i.guards)
+    assert all(i.tier == "premerge" for i in sel.items if (i.mandatory or "").startswith("the cheapest"))
+
+
+def test_shrinking_the_premerge_budget_moves_out_low_risk_per_second_first(inp):
+    rows = sweep(inp)
+    guards = {i.id for i in generate(inp).items if i.guards}
+    by = {i.id: i for i in generate(inp).items}
+    for prev, row in zip(rows, rows[1:]):
+        assert guards <= row["ids"], "a guard left the pre-merge list"
+        assert row["risk"] <= prev["risk"] + 1e-9 and row["cost"] <= prev["cost"] + 1e-9
+        assert row["lost_per_s"] is not None and row["lost_per_s"] >= 0
+        out = prev["ids"] - row["ids"]
+        kept = [by[i] for i in row["ids"] if not by[i].mandatory]
+        if out and kept:  # what leaves is, on average, worth less per second than what stays
+            leave = sum(by[i].risk for i in out) / sum(by[i].cost for i in out)
+            stay = sum(i.risk for i in kept) / sum(i.cost for i in kept)
+            assert leave <= stay, (row["budget"], leave, stay)
+    # the coverage lost per second saved grows as the budget shrinks (the cheap risk goes last)
+    lost = [r["lost_per_s"] for r in rows[1:-1]]
+    assert lost == sorted(lost)
+
+
+# A hand-written pre-merge list: what a person would pick within the same budget. The mandatory
+# items (guards, cheapest cell of every reached variant, pins) first, then whole folders in the
+# order someone would rank them, first fit.
+BASELINE = ["tests/framework/*", "tests/spec/*", "tests/ops/*", "certify/cells/*-cpu]",
+            "tests/engine/test_engine_config.py*", "tests/engine/test_admission.py*",
+            "tests/engine/test_engine.py*", "tests/engine/*", "tests/tasks/*", "certify/cells/*"]
+
+
+def test_the_generated_premerge_list_covers_at_least_a_hand_written_one(inp):
+    sel = generate(inp)
+    pre = sel.tiers["premerge"]
+    budget = pre.budget
+    runnable = [i for i in sel.items if i.arch in ("cpu", "cpu-interpret") and i.measured]
+    chosen = {i.id: i for i in sel.items if i.mandatory and i.tier == "premerge"}
+    cost = sum(i.cost for i in chosen.values())
+    for pattern in BASELINE:
+        for it in sorted(runnable, key=lambda i: i.id):
+            if it.id not in chosen and fnmatch.fnmatch(it.id, pattern) and cost + it.cost <= budget:
+                chosen[it.id] = it
+                cost += it.cost
+    base_risk = sum(i.risk for i in chosen.values())
+    print(f"\nbudget {budget:.0f} s: generated {pre.risk:.2f} risk in {pre.cost:.1f} s "
+          f"({len(pre.items)} items); hand-written {base_risk:.2f} in {cost:.1f} s ({len(chosen)})")
+    assert cost <= budget
+    assert pre.risk >= base_risk - 1e-9
+
+
+@pytest.mark.parametrize("text, line, field", [
+    ("tiers:\n  premerge: {budget: -3, archs: [cpu]}\n", 2, "tiers.premerge.budget"),
+    ("tiers: {}\nestimates: 1\n", 2, "estimates"),
+    ("tiers:\n  premerge:\n    archs: [cpu]\n    shardz: 2\n", 4, "tiers.premerge.shardz"),
+    ("tiers: [\n", 2, "(yaml)"),
+])
+def test_budgets_errors_name_file_line_and_field(tmp_path, text, line, field):
+    real = (PATHS.budgets).read_text()
+    assert load_budgets(PATHS.budgets)  # the committed file loads
+    p = tmp_path / "budgets.yaml"
+    # the committed file with its tiers replaced, so the only problem is the planted one
+    rest = real[real.index("\nconditions:"):]
+    p.write_text(text + (rest if "estimates" not in text and "[\n" not in text else ""))
+    with pytest.raises(BudgetsError) as e:
+        load_budgets(p)
+    assert (e.value.line, e.value.field) == (line, field), str(e.value)
+    assert str(p) in str(e.value)
