@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from impl.model.admission import Request
 from impl.model.engine import ModelCall
 from spec.config import ModelConfig
 from spec.model import Weights, forward, mtp_draft, new_cache
@@ -141,3 +142,17 @@ def first_mismatch(passes: list[Pass]) -> str | None:
         if p.engine_hidden is not None and not torch.equal(p.engine_hidden, p.spec_hidden):
             return f"pass {i} ({p.what}): hidden rows differ"
     return None
+
+
+def token_logits(calls: list[ModelCall], request: Request) -> list[torch.Tensor]:
+    """The logits rows that emitted ``request``'s tokens in plain decoding: its prompt's last row,
+    then its decode rows (trunk passes only)."""
+    rows = []
+    for call in calls:
+        row = 0
+        for rid, start, ids, mode in call.spans:
+            if call.kind == "trunk" and rid == request.request_id and (
+                    mode == "decode" or start + len(ids) == len(request.prompt)):
+                rows.append(call.logits_at(row + len(ids) - 1))
+            row += len(ids)
+    return rows

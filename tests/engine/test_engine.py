@@ -21,25 +21,12 @@ from impl.model.engine import Engine
 from impl.model.engine_config import EngineConfig, SpeculativeConfig
 from spec.config import ModelConfig
 from spec.model import init_weights
-from tests.engine.spec_replay import first_mismatch, replay, widen
+from tests.engine.spec_replay import first_mismatch, replay, token_logits, widen
 
 TINY = ModelConfig.tiny()
 BF16 = torch.bfloat16
 STATE = {"fp32": torch.float32, "bf16": torch.bfloat16}
 MAX_LEN = 160
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return init_weights(TINY, seed=0, dtype=BF16)
 
 
 def _requests(lengths: list[int], new: int = 6, seed: int = 1) -> list[Request]:
@@ -102,18 +89,6 @@ def test_speculative_tokens_equal_plain_greedy(weights):
             assert spec.results[rid].tokens == res.tokens, (k, rid)
 
 
-def _token_logits(e: Engine, r: Request) -> list[torch.Tensor]:
-    """The logits rows that emitted ``r``'s tokens: its prompt's last row, then its decode rows."""
-    rows = []
-    for call in e.calls:
-        row = 0
-        for rid, start, ids, mode in call.spans:
-            if rid == r.request_id and (mode == "decode" or start + len(ids) == len(r.prompt)):
-                rows.append(call.logits_at(row + len(ids) - 1))
-            row += len(ids)
-    return rows
-
-
 def test_batched_requests_equal_each_alone(weights):
     """Requests of different lengths batched together (their prompts chunked at other points than
     when alone, at 32-token page edges by a 32-token budget) give the same tokens as each run alone,
@@ -126,7 +101,7 @@ def test_batched_requests_equal_each_alone(weights):
         alone = _engine(weights, budget=32, batch=1)
         one = alone.generate([r])
         assert one.results[r.request_id].tokens == res.results[r.request_id].tokens
-        a, b = _token_logits(together, r), _token_logits(alone, r)
+        a, b = token_logits(together.calls, r), token_logits(alone.calls, r)
         assert len(a) == len(b) == 5
         assert all(torch.equal(x, y) for x, y in zip(a, b)), r.request_id
 

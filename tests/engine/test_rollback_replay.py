@@ -27,24 +27,10 @@ from impl.model.engine_config import EngineConfig, SpeculativeConfig
 from impl.model.ops import Ops
 from impl.model.replay import engine_state
 from spec.config import ModelConfig
-from spec.model import init_weights
 
 TINY = ModelConfig.tiny()
 DTYPES = [("bf16", "fp32"), ("bf16", "bf16"), ("fp8", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32"),
           ("nvfp4", "bf16")]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return init_weights(TINY, seed=0, dtype=torch.bfloat16)
 
 
 _PREFILLED: dict[tuple, Engine] = {}

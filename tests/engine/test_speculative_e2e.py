@@ -19,24 +19,11 @@ from impl.model.admission import Request
 from impl.model.engine import Engine
 from impl.model.engine_config import EngineConfig, SpeculativeConfig
 from spec.config import ModelConfig
-from spec.model import init_weights
+from tests.engine.spec_replay import token_logits
 
 TINY = ModelConfig.tiny()
 NEW = 24
 PROMPT_LENS = (29, 7, 45)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def weights():
-    return init_weights(TINY, seed=0, dtype=torch.bfloat16)
 
 
 def _requests() -> list[Request]:
@@ -99,18 +86,6 @@ def test_speculative_tokens_equal_greedy(weights, kv, state, k):
     assert spec.acceptance_length > 1.0
 
 
-def _token_logits(e: Engine, r: Request) -> list[torch.Tensor]:
-    rows = []
-    for call in e.calls:
-        row = 0
-        for rid, start, ids, mode in call.spans:
-            if call.kind == "trunk" and rid == r.request_id and (
-                    mode == "decode" or start + len(ids) == len(r.prompt)):
-                rows.append(call.logits_at(row + len(ids) - 1))
-            row += len(ids)
-    return rows
-
-
 def first_divergence(plain_tokens: list[int], spec_tokens: list[int], logits: list[torch.Tensor]
                      ) -> tuple[int, float, float] | None:
     """(index, margin top1 - top2 of the plain logits there, the row's largest |logit|) or None."""
@@ -134,7 +109,7 @@ def test_default_mode_reports_first_divergence(weights, kv, state, k, record_pro
     spec = e.generate(reqs)
     for r in reqs:
         got, want = spec.results[r.request_id].tokens, plain.results[r.request_id].tokens
-        div = first_divergence(want, got, _token_logits(plain_engine, r))
+        div = first_divergence(want, got, token_logits(plain_engine.calls, r))
         record_property(f"{r.request_id}_first_divergence", repr(div))
         if div is not None:
             i, margin, scale = div

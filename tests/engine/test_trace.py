@@ -25,14 +25,6 @@ TINY = ModelConfig.tiny()
 CATALOG = load_catalog(project_paths().cells)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _signature(calls) -> dict[str, set]:
     """op -> the set of (axis names, step kind) its calls state."""
     out: dict[str, set] = {}
