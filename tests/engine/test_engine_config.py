@@ -218,11 +218,12 @@ def test_ops_run_on_the_arch():
     assert r.reason == ("no reference variant (impl: spec, batch-invariant mode) of gdn_decode "
                         f"runs on {ctx.arch}")
     assert check(EngineConfig(model="tiny"), cut) == []   # the default dispatch still has torch
-    # On sm_90 only the GDN ops have variants today: the forward's other ops are refused by name.
+    # On sm_90 the HC, PLE, MoE and QSA ops have no variant yet: the forward is refused, naming them.
     gpu = RuleContext(ctx.model, ctx.catalog, "sm_90")
     r = only(EngineConfig(model="tiny"), gpu)
     assert r.rule == "ops_run_on_the_arch"
-    assert r.reason.startswith("no variant of rmsnorm runs on sm_90 (and ")
+    assert r.reason.startswith("no variant of hc_inject_norm runs on sm_90 (and ")
+    assert "moe" in r.reason and "rmsnorm" not in r.reason  # rmsnorm has a Triton variant there
 
 
 def test_explain_batch_invariant_lists_reference_variants():
