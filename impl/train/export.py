@@ -45,51 +45,67 @@ def generate(model: TrainModel, prompts: list[list[int]], new: int, device) -> l
 
 
 @torch.no_grad()
-def acceptance(model: TrainModel, prompt: list[int], answer: list[int], k: int, device) -> list[int]:
-    """Tokens emitted per verify step at draft k over one greedy answer, the engine's way: the first
-    token comes from the context step; a verify step at trunk length n accepts the leading drafts that
-    equal the greedy tokens and emits one more."""
+def acceptance(model: TrainModel, prompt: list[int], answer: list[int], ks: tuple[int, ...], device
+               ) -> dict[int, list[int]]:
+    """Tokens emitted per verify step at each draft length k of ``ks`` over one greedy answer, the
+    engine's way: the first token comes from the context step; a verify step at trunk length n accepts
+    the leading drafts that equal the greedy tokens and emits one more. One chain of max(ks) draft
+    steps serves every k (draft step j does not depend on k)."""
     seq = prompt + answer
     ids = torch.tensor([seq], device=device)
     _, hidden = model(ids)
     nxt = torch.cat([ids[:, 1:], torch.zeros_like(ids[:, :1])], 1)
     h_prev, chain, preds = hidden, None, []
-    for j in range(1, k + 1):
+    for j in range(1, max(ks) + 1):
         d_logits, m = model.draft(h_prev, nxt, chain=chain)
         kv = model.mtp_layer.mixer.kv
         chain = [kv] if chain is None else chain + [kv]
         preds.append(d_logits[0].argmax(-1))            # step j, row p predicts x_{p+2}
         h_prev = torch.cat([torch.zeros_like(m[:, :1]), m[:, :-1]], 1)
     P, end = len(prompt), len(prompt) + (answer.index(END) if END in answer else len(answer) - 1)
-    steps, n = [], P
-    while n <= end and n + 1 < len(seq):
-        a = 0
-        while a < k and n + a + 1 < len(seq) and int(preds[a][n - 1 + a]) == seq[n + a + 1]:
-            a += 1
-        steps.append(a + 1)
-        n += a + 1
-    return steps
+    out = {}
+    for k in ks:
+        steps, n = [], P
+        while n <= end and n + 1 < len(seq):
+            a = 0
+            while a < k and n + a + 1 < len(seq) and int(preds[a][n - 1 + a]) == seq[n + a + 1]:
+                a += 1
+            steps.append(a + 1)
+            n += a + 1
+        out[k] = steps
+    return out
 
 
 ABLATION_SAMPLES = {"retrieval_2k": 50, "mqar": 50}
 
 
+ACCEPTANCE_SAMPLES = 50  # acceptance is measured one sample at a time: the first 50 of each set
+
+
 def evaluate(model: TrainModel, device, counts: dict[str, int] = CARD_SAMPLES,
-             ablation: dict[str, int] = ABLATION_SAMPLES) -> dict:
+             ablation: dict[str, int] = ABLATION_SAMPLES, budget_s: float = float("inf")) -> dict:
+    """Scores per set, in order, each printed as it completes. Sets that would start after
+    ``budget_s`` seconds are left out (the card then shows fewer rows), so an export fits its run."""
     model.eval()
     out: dict = {}
+    t_start = time.perf_counter()
     for name, n in counts.items():
+        if time.perf_counter() - t_start > budget_s:
+            print(f"evaluation budget spent: {name} left out", flush=True)
+            continue
         spec = EVAL_SETS[name]
         items = samples(name)[:n]
         t0 = time.perf_counter()
         gens = generate(model, [s.prompt_ids() for s in items], spec.max_new_tokens(), device)
         scores = [TASKS[spec.task].score(s, g) for s, g in zip(items, gens)]
         row = {"samples": n, "accuracy": 100.0 * sum(scores) / n}
+        per = [acceptance(model, s.prompt_ids(), g, (3, 7), device)
+               for s, g in zip(items[:ACCEPTANCE_SAMPLES], gens[:ACCEPTANCE_SAMPLES])]
         for k in (3, 7):
-            steps = [st for s, g in zip(items[:50], gens[:50])
-                     for st in acceptance(model, s.prompt_ids(), g, k, device)]
+            steps = [st for a in per for st in a[k]]
             row[f"acceptance_length_k{k}"] = sum(steps) / max(1, len(steps))
         row["seconds"] = round(time.perf_counter() - t0, 1)
+        print(f"evaluated {name}: {json.dumps(row)}", flush=True)
         out[name] = row
     # Ablation: the index's top-k selection off (sink and local window only)
     saved = model.cfg
@@ -110,7 +126,7 @@ def export(run, out: Path, budget_s: float = 600.0, counts: dict[str, int] = CAR
     model.eval()
     model.set_qat(True)
     weights = model.to_weights()
-    scores = evaluate(model, run.device, counts, ablation)
+    scores = evaluate(model, run.device, counts, ablation, budget_s=budget_s)
     st, tc = run.state, run.tc
     meta = {"seed": str(tc.seed), "trunk_steps": str(tc.trunk_steps), "mtp_steps": str(tc.mtp_steps),
             "train_minutes": f"{st['elapsed'] / 60:.1f}", "scores": json.dumps(scores)}

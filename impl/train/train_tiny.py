@@ -28,6 +28,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,21 @@ from impl.train.model import TrainModel
 from spec.config import ModelConfig
 
 STATE = "state.pt"
+
+
+class Extension(BaseModel):
+    """Trunk steps added after a run's schedule: a warm restart of the cosine (``warmup`` steps up to
+    ``lr``, down to 10 % of it), with its own attention mode and task mixture. Batches stay a function
+    of (seed, phase, step): an extension's steps continue the trunk's step count, so they read new
+    batches. ``--extend`` appends one to a saved run; the MTP phase runs again after it."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps: int = Field(ge=1)
+    lr: float = Field(gt=0)
+    warmup: int = Field(100, ge=0)
+    attention: Literal["dense", "sparse"] = "sparse"
+    weights: dict[str, float] | None = Field(None, description="task mixture (default: the run's)")
 
 
 class TrainConfig(BaseModel):
@@ -57,21 +73,56 @@ class TrainConfig(BaseModel):
     unroll: int = Field(3, ge=1, le=7)
     grad_clip: float = 1.0
     data: DataConfig = DataConfig()
+    extensions: tuple[Extension, ...] = ()
+
+    @property
+    def total_trunk_steps(self) -> int:
+        return self.trunk_steps + sum(e.steps for e in self.extensions)
+
+    def extension_at(self, step: int) -> tuple[int, Extension] | None:
+        """(first step, extension) of the extension holding trunk step ``step``; None in the base
+        schedule."""
+        start = self.trunk_steps
+        for ext in self.extensions:
+            if step < start + ext.steps:
+                return (start, ext) if step >= start else None
+            start += ext.steps
+        return None
+
+    def data_at(self, phase: str, step: int) -> DataConfig:
+        seg = self.extension_at(step) if phase == "trunk" else None
+        if seg is None or seg[1].weights is None:
+            return self.data
+        return self.data.model_copy(update={"weights": seg[1].weights})
 
 
 # ------------------------------------------------------------------------------ one step
 
 
-def _lr(cfg: TrainConfig, step: int, total: int, peak: float) -> float:
-    if step < cfg.warmup:
-        return peak * (step + 1) / cfg.warmup
-    frac = (step - cfg.warmup) / max(1, total - cfg.warmup)
+def _cosine(step: int, total: int, peak: float, warmup: int) -> float:
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(1, total - warmup)
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+
+
+def _lr(cfg: TrainConfig, step: int, total: int, peak: float, phase: str = "trunk") -> float:
+    seg = cfg.extension_at(step) if phase == "trunk" else None
+    if seg is not None:
+        start, ext = seg
+        return _cosine(step - start, ext.steps, ext.lr, ext.warmup)
+    if phase == "trunk":
+        total = min(total, cfg.trunk_steps)
+    return _cosine(step, total, peak, cfg.warmup)
 
 
 def trunk_loss(model: TrainModel, batch: Batch, rows: torch.Tensor, tc: TrainConfig, step: int
                ) -> tuple[torch.Tensor, dict[str, float]]:
-    attention = "dense" if step < tc.dense_frac * tc.trunk_steps else "sparse"
+    seg = tc.extension_at(step)
+    if seg is not None:
+        attention = seg[1].attention
+    else:
+        attention = "dense" if step < tc.dense_frac * tc.trunk_steps else "sparse"
     logits, _ = model(batch.ids, rows, attention=attention, index_loss=True)
     target = batch.ids[:, 1:]
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
@@ -145,7 +196,7 @@ class Run:
         if path.is_file():
             st = torch.load(path, map_location="cpu", weights_only=False)
             saved = TrainConfig.model_validate(st["config"])
-            if tc is not None and tc != saved:
+            if tc is not None and tc.model_copy(update={"extensions": saved.extensions}) != saved:
                 raise SystemExit(f"{path} was started with another configuration; use a new run dir")
             self.tc, self.state = saved, st
         else:
@@ -181,7 +232,7 @@ class Run:
                 return total - start
 
             def __getitem__(self, i):
-                b = make_batch(tc.seed, phase, start + i, tc.data)
+                b = make_batch(tc.seed, phase, start + i, tc.data_at(phase, start + i))
                 return b, ngram_rows(b.ids, hash_cfg)
 
         return torch.utils.data.DataLoader(Steps(), batch_size=None, shuffle=False,
@@ -198,7 +249,7 @@ class Run:
         done_here = 0
         while self.state["phase"] in ("trunk", "mtp"):
             phase, tc = self.state["phase"], self.tc
-            total = tc.trunk_steps if phase == "trunk" else tc.mtp_steps
+            total = tc.total_trunk_steps if phase == "trunk" else tc.mtp_steps
             if self.state["step"] >= total:
                 self._next_phase()
                 continue
@@ -222,7 +273,7 @@ class Run:
                 rows = rows.to(self.device)
                 peak = tc.lr if phase == "trunk" else tc.mtp_lr
                 for g in self.opt.param_groups:
-                    g["lr"] = _lr(tc, step, total, peak)
+                    g["lr"] = _lr(tc, step, total, peak, phase)
                 fn = trunk_loss if phase == "trunk" else mtp_loss
                 loss, stats = fn(self.model, batch, rows, tc, step)
                 self.opt.zero_grad(set_to_none=True)
@@ -253,6 +304,20 @@ class Run:
         self.save()
         return True
 
+    def extend(self, ext: Extension) -> None:
+        """Append ``ext`` to a run whose trunk schedule has ended: the trunk resumes at its next step
+        with a fresh optimiser, then the MTP phase and the export run again."""
+        st = self.state
+        if st["phase"] == "trunk":
+            raise SystemExit(f"{self.dir / STATE} is still in its trunk phase (step {st['step']} of "
+                             f"{self.tc.total_trunk_steps}); resume it without --extend")
+        self.tc = self.tc.model_copy(update={"extensions": (*self.tc.extensions, ext)})
+        st.update(config=self.tc.model_dump(mode="json"), phase="trunk",
+                  step=self.tc.total_trunk_steps - ext.steps)
+        st.pop("optim", None)
+        self.opt = self._optimizer()
+        self.save()
+
     def _next_phase(self) -> None:
         self.state["phase"] = {"trunk": "mtp", "mtp": "export"}[self.state["phase"]]
         self.state["step"] = 0
@@ -268,10 +333,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=8, help="data loader processes")
     p.add_argument("--config", help="JSON of TrainConfig fields (first invocation only)")
+    p.add_argument("--extend", help="JSON of an Extension: more trunk steps after the schedule ended "
+                   "(then MTP and export again); once, then resume without it")
     p.add_argument("--out", default="checkpoints/flashnext-tiny.safetensors")
     args = p.parse_args(argv)
     tc = TrainConfig.model_validate(json.loads(args.config)) if args.config else None
+    if args.device.startswith("cuda"):
+        # Training numerics only (the checkpoint is exported in bf16 / NVFP4 and certified as that):
+        # TF32 products keep fp32 range and cut the matmul time.
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
     run = Run(Path(args.run_dir), tc, args.device)
+    if args.extend:
+        run.extend(Extension.model_validate(json.loads(args.extend)))
     t0 = time.perf_counter()
     finished = run.train(args.max_minutes * 60, workers=args.workers)
     st = run.state

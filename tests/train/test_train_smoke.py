@@ -101,3 +101,28 @@ def test_export_writes_a_checkpoint_and_card_the_gate_target_runs(unbroken, tmp_
     assert target.unavailable() is None
     res = target.evaluate({}, "mqar", 2)
     assert len(res.scores) == 2 and res.accepted == []
+
+
+def test_an_extension_restarts_the_schedule_and_reruns_mtp(unbroken, tmp_path):
+    from impl.train.train_tiny import Extension, _lr
+    run, *_ = unbroken
+    torch.save(run.state | {"model": run.model.state_dict()}, tmp_path / "state.pt")
+    resumed = Run(tmp_path, SMALL, "cpu")               # the first --config is accepted again
+    ext = Extension(steps=3, lr=1e-3, warmup=1, attention="dense", weights={"mqar": 1.0})
+    resumed.extend(ext)
+    assert (resumed.state["phase"], resumed.state["step"]) == ("trunk", 6)
+    with pytest.raises(SystemExit, match="still in its trunk phase"):
+        resumed.extend(ext)                            # a repeated --extend is refused
+    tc = resumed.tc
+    assert tc.total_trunk_steps == 9 and tc.extension_at(5) is None and tc.extension_at(7) == (6, ext)
+    assert _lr(tc, 6, 9, SMALL.lr) == pytest.approx(1e-3)           # warm restart at the new peak
+    assert _lr(tc, 7, 9, SMALL.lr) == pytest.approx(1e-3)           # the cosine from its peak
+    assert _lr(tc, 8, 9, SMALL.lr) == pytest.approx(0.55e-3)        # halfway to 10 % of it
+    assert _lr(tc, 5, 9, SMALL.lr) == pytest.approx(_lr(SMALL, 5, 6, SMALL.lr))
+    assert tc.data_at("trunk", 7).weights == {"mqar": 1.0} and tc.data_at("mtp", 7) == SMALL.data
+    seen = []
+    assert resumed.train(math.inf, on_step=lambda r, e: seen.append((e["phase"], e["task"]))) is True
+    assert seen == [("trunk", "mqar")] * 3 + [("mtp", t) for t in [s for p, s in seen[3:]]]
+    assert [p for p, _ in seen] == ["trunk"] * 3 + ["mtp"] * 2
+    again = Run(tmp_path, None, "cpu")
+    assert again.tc.extensions == (ext,) and again.state["phase"] == "export"
