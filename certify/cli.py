@@ -11,7 +11,8 @@ from certify.catalog import load_catalog
 from certify.paths import project_paths
 from certify.reach import load_reach, load_tracer, reach_text, run_trace
 from certify.reach_claims import catalog_findings, reach_findings
-from certify.receipts import load_receipts
+from certify.plan import targets
+from certify.receipts import load_receipts, prune_receipts
 from certify.report import build_rows, report_extras, terminal_report, write_reports
 from certify.runner import run_targets, select
 from certify.scenarios import ScenarioError, load_scenarios
@@ -45,6 +46,12 @@ def _cmd_report(args: argparse.Namespace) -> int:
             print(f"certifying {len(chosen)} outdated or missing cell(s) on "
                   f"{', '.join(present_archs())} ...", file=sys.stderr)
             run_targets(chosen, paths.receipts)
+    if not args.op and not catalog.errors:  # the whole catalog is known: receipts of gone targets go
+        live = {(t.arch, t.op.op, t.variant.name, t.cell.id)
+                for op in catalog.ops.values() for t in targets(op)}
+        for r in prune_receipts(paths.receipts, live):
+            print(f"dropped the receipt of a target that no longer exists: {r.arch} {r.op} "
+                  f"{r.variant} {r.cell}", file=sys.stderr)
     rows = build_rows(catalog, load_receipts(paths.receipts))
     extras = report_extras(paths.extras)
     reach = load_reach(paths.reach)

@@ -163,6 +163,22 @@ def write_receipts(receipts_dir: Path, new: list[Receipt]) -> None:
         (receipts_dir / f"{arch}.jsonl").write_text("\n".join(lines) + "\n")
 
 
+def prune_receipts(receipts_dir: Path, live: set[tuple[str, str, str, str]]) -> list[Receipt]:
+    """Drop the receipts of targets that no longer exist (a cell, variant or arch removed from the
+    cell files); ``live`` holds (arch, op, variant, cell) of every current target. Returns what was
+    dropped. A receipt of a target that is gone certifies nothing and would stay in the files forever."""
+    receipts_dir = Path(receipts_dir)
+    dropped: list[Receipt] = []
+    for arch, book in load_receipts(receipts_dir).items():
+        keep = {k: r for k, r in book.items() if (arch, *k) in live}
+        if len(keep) == len(book):
+            continue
+        dropped += [r for k, r in book.items() if k not in keep]
+        lines = [keep[k].model_dump_json() for k in sorted(keep)]
+        (receipts_dir / f"{arch}.jsonl").write_text("\n".join(lines) + "\n" if lines else "")
+    return dropped
+
+
 def freshness(receipt: Receipt | None, op: OpFile, variant: str, cell: Cell) -> str:
     """certified | failed | stale | not run: what a receipt says about the code as it is now."""
     if receipt is None:

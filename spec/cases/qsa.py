@@ -22,6 +22,7 @@ request's content (finite garbage, never NaN), which an op must leave alone.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -29,6 +30,8 @@ import torch
 
 from certify.harness import Case, OutSpec
 from spec.cases.common import DTYPES, randn
+from spec.ops.kv_storage import (fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load,
+                                 nvfp4_quantize)
 
 TPB = 32  # tokens per block == page size
 TOP_K, SINK, LOCAL = 64, 1, 2
@@ -139,15 +142,44 @@ def _kv_store_dtype(axes: dict) -> torch.dtype:
     return DTYPES[axes["kv_dtype"]]
 
 
+def _fp8_store(x: torch.Tensor) -> tuple[torch.Tensor]:
+    """The fp8 storage seam: one e4m3 pool."""
+    return (fp8_quantize(x),)
+
+
+def _kv_pools(kv_dtype: str, x: torch.Tensor, gs: torch.Tensor):
+    """A pool holding ``x`` (another request's content) in the KV storage dtype, the store seam that
+    writes it, and the names of its output pools, in the spec's result order ([P, 32, n_kv, D] x).
+
+    fp8 is one e4m3 pool; nvfp4 is (uint8 codes, e4m3 scales) with ``functools.partial(nvfp4_quantize,
+    gs=gs)`` as store (the seam's documented way to bind a format's parameter, readable by a kernel)."""
+    if kv_dtype == "bfloat16":
+        return x.to(torch.bfloat16), None, ("cache",)
+    if kv_dtype == "fp8":
+        return fp8_quantize(x), _fp8_store, ("cache",)
+    if kv_dtype == "nvfp4":
+        return nvfp4_quantize(x, gs), functools.partial(nvfp4_quantize, gs=gs), ("codes", "scales")
+    raise ValueError(f"unknown KV storage dtype {kv_dtype!r}")
+
+
+def _on(x, device):
+    """Tensors (and tuples of them) moved to ``device``; anything else (a store callable) as is."""
+    if isinstance(x, tuple):
+        return tuple(_on(e, device) for e in x)
+    return x.to(device) if isinstance(x, torch.Tensor) else x
+
+
 def kv_append_case(axes: dict, gen: torch.Generator, device) -> Case:
+    """bf16 / fp8 / nvfp4 KV: the pools and the store seam of spec/ops/kv_storage.py. The quantised
+    formats are certified bitwise against the spec in its own dtypes (``against: spec``): the store is
+    the quantiser, whose rounding is the op, and a float64 widening of an e4m3 pool would not fit it."""
     n_kv, d = axes["kv_heads"], axes["head_dim"]
-    store = _kv_store_dtype(axes)
     lay = step_layout(axes, gen)
     touched = _touched(lay)
     table, P = page_table(gen, touched, _width(max(lay.after)), spare=6)
     # The pool as another request left it: finite K/V everywhere, positions of that request.
-    k_cache = randn(gen, P, TPB, n_kv, d, dtype=store)
-    v_cache = randn(gen, P, TPB, n_kv, d, scale=2.0, dtype=store)
+    k_old = randn(gen, P, TPB, n_kv, d)
+    v_old = randn(gen, P, TPB, n_kv, d, scale=2.0)
     pos_plane = torch.randint(0, 131072, (P, TPB), generator=gen, dtype=torch.int32)
     for s in range(lay.batch):
         for b in touched[s]:
@@ -161,13 +193,23 @@ def kv_append_case(axes: dict, gen: torch.Generator, device) -> Case:
     # k after QK norm + RoPE: unit RMS per head with an outlier channel; v: a plain projection.
     k = _rms_rows(randn(gen, n, n_kv, d) * (1 + 4 * (torch.arange(d) == 5)))
     v = randn(gen, n, n_kv, d, scale=2.0)
+    act = DTYPES[axes["act_dtype"]]
+    # nvfp4 global scales as a calibrated layer holds them: the largest block scale lands near 448
+    # with some headroom, so block scales span e4m3's normal range (fp8 and bf16 ignore them).
+    k_gs = nvfp4_global_scale(1.25 * float(k.abs().max()))
+    v_gs = nvfp4_global_scale(1.25 * float(v.abs().max()))
+    k_cache, store_k, parts = _kv_pools(axes["kv_dtype"], k_old, k_gs)
+    v_cache, store_v, _ = _kv_pools(axes["kv_dtype"], v_old, v_gs)
     inputs = {"k_cache": k_cache, "v_cache": v_cache, "pos_plane": pos_plane, "block_table": table,
-              "seq_ids": lay.seq_ids, "positions": lay.positions,
-              "k": k.to(DTYPES[axes["act_dtype"]]), "v": v.to(DTYPES[axes["act_dtype"]])}
-    return Case(inputs={n_: t.to(device) for n_, t in inputs.items()},
-                outputs={"new_k_cache": OutSpec(tuple(k_cache.shape), store),
-                         "new_v_cache": OutSpec(tuple(v_cache.shape), store),
-                         "new_pos_plane": OutSpec(tuple(pos_plane.shape), torch.int32)})
+              "seq_ids": lay.seq_ids, "positions": lay.positions, "k": k.to(act), "v": v.to(act),
+              "store": store_k, "store_v": store_v}
+    outputs: dict[str, OutSpec] = {}
+    for kv, cache in (("k", k_cache), ("v", v_cache)):
+        pools = (cache,) if isinstance(cache, torch.Tensor) else cache
+        for part, pool in zip(parts, pools):
+            outputs[f"new_{kv}_{part}"] = OutSpec(tuple(pool.shape), pool.dtype)
+    outputs["new_pos_plane"] = OutSpec(tuple(pos_plane.shape), torch.int32)
+    return Case(inputs={n_: _on(t, device) for n_, t in inputs.items()}, outputs=outputs)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -371,7 +413,7 @@ def _tokens_of(blocks: list[int], t: int) -> list[int]:
 
 def sparse_gqa_case(axes: dict, gen: torch.Generator, device) -> Case:
     n_q, n_kv, d = axes["q_heads"], axes["kv_heads"], axes["head_dim"]
-    act, store = DTYPES[axes["act_dtype"]], _kv_store_dtype(axes)
+    act = DTYPES[axes["act_dtype"]]
     lay = step_layout(axes, gen)
     n = lay.positions.numel()
     sel = [_selection(gen, int(t)) for t in lay.positions.tolist()]
@@ -383,14 +425,20 @@ def sparse_gqa_case(axes: dict, gen: torch.Generator, device) -> Case:
     # key bias) that q leans on; q's scale varies per row, so the softmax is flat on some rows and
     # peaked on others. Values: a plain projection. Pages are only the selected blocks' (union over
     # the request's rows); the pool's other content is finite garbage.
-    k_cache = randn(gen, P, TPB, n_kv, d, dtype=store)
-    v_cache = randn(gen, P, TPB, n_kv, d, dtype=store)
+    k_vals = randn(gen, P, TPB, n_kv, d)
+    v_vals = randn(gen, P, TPB, n_kv, d)
     bias = randn(gen, lay.batch, n_kv, d)
     for s in range(lay.batch):
         pages = table[s][table[s] >= 0].long()
         kk = 0.8 * randn(gen, pages.numel(), TPB, n_kv, d) + 0.6 * bias[s]
-        k_cache[pages] = _rms_rows(kk).to(store)
-        v_cache[pages] = randn(gen, pages.numel(), TPB, n_kv, d).to(store)
+        k_vals[pages] = _rms_rows(kk)
+        v_vals[pages] = randn(gen, pages.numel(), TPB, n_kv, d)
+    # The K/V as the forward stores them (bf16 after QK norm + RoPE), then the storage format with the
+    # load that reads it back: the float64 reference dequantises the very codes the variant reads
+    # (e4m3 and e2m1 values widen exactly; the harness keeps narrow code dtypes as stored).
+    k_vals, v_vals = k_vals.to(act).float(), v_vals.to(act).float()
+    k_cache, load_k = _kv_read_side(axes["kv_dtype"], k_vals)
+    v_cache, load_v = _kv_read_side(axes["kv_dtype"], v_vals)
     q = torch.empty(n, n_q, d)
     for r, s in enumerate(lay.seq_ids.tolist()):
         # q leans on the request's key bias (kv head h // 12) with a per-row spread of sharpness.
@@ -402,6 +450,47 @@ def sparse_gqa_case(axes: dict, gen: torch.Generator, device) -> Case:
         toks = _tokens_of(sel[r], t)
         tokens[r, :len(toks)] = torch.tensor(toks, dtype=torch.int64)
     inputs = {"q": q.to(act), "gate": gate.to(act), "tokens": tokens, "seq_ids": lay.seq_ids,
-              "block_table": table, "k_cache": k_cache, "v_cache": v_cache}
-    return Case(inputs={n_: t.to(device) for n_, t in inputs.items()},
+              "block_table": table, "k_cache": k_cache, "v_cache": v_cache, "load": load_k,
+              "load_v": load_v}
+    return Case(inputs={n_: _on(t, device) for n_, t in inputs.items()},
                 outputs={"out": OutSpec((n, n_q, d), act)})
+
+
+def _kv_read_side(kv_dtype: str, x: torch.Tensor):
+    """(pools, load) holding x ([P, 32, n_kv, D] fp32 of bf16 values) in the KV storage dtype, with
+    the spec/ops/kv_storage.py load that dequantises it (None: the bf16 pool's cast). nvfp4's global
+    scale is the conventional amax / (6 * 448) of the pool's bf16 amax: an fp32 with a full mantissa,
+    so the read-back (code * sf) * gs really rounds (to fp32, then bf16)."""
+    gs = nvfp4_global_scale(float(x.abs().max()))
+    pools, _, _ = _kv_pools(kv_dtype, x, gs)
+    if kv_dtype == "bfloat16":
+        return pools, None
+    if kv_dtype == "fp8":
+        return pools, fp8_load
+    return pools, functools.partial(nvfp4_load, gs=gs)
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4 + 5. Selection fused with expansion
+# ---------------------------------------------------------------------------------------------------
+
+def topk_expand_case(axes: dict, gen: torch.Generator, device) -> Case:
+    """qsa_select's score rows (tie patterns, edge rows, shuffled rows) with qsa_expand's stored
+    lengths: a prefill row's later tokens are already stored (length > t + 1), so the t cut ends it."""
+    start = gen.get_state()
+    sel = select_case(axes, gen, "cpu")
+    scores, pos = sel.inputs["scores"], sel.inputs["positions"]
+    # select_case draws its layout from ``gen`` first: replaying that draw from the same generator
+    # state gives the same layout, hence each row's request and stored length.
+    replay = torch.Generator()
+    replay.set_state(start)
+    lay = step_layout(axes, replay)
+    lens = torch.tensor([lay.after[int(s)] for s in lay.seq_ids], dtype=torch.int32)
+    # An edge row's position is placed by hand, not by its request: its stored length is raised to
+    # at least t + 1, as the forward appends a row's token before the row attends.
+    lens = torch.maximum(lens, pos.to(torch.int32) + 1) if axes["edge_rows"] else lens
+    n = pos.numel()
+    return Case(inputs={"scores": scores.to(device), "positions": pos.to(device),
+                        "context_lens": lens.to(device)},
+                outputs={"selected": OutSpec((n, WIDTH_BLOCKS), torch.int64),
+                         "tokens": OutSpec((n, TPB * WIDTH_BLOCKS), torch.int64)})

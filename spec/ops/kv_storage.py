@@ -267,3 +267,22 @@ def kv_bytes_per_token(n_kv_heads: int, head_dim: int, kv_dtype: KvDtype) -> int
     else:
         raise ValueError(f"unknown KV dtype {kv_dtype!r}; expected 'bf16', 'fp8' or 'nvfp4'")
     return 2 * per_tensor  # K and V
+
+
+# ---------------------------------------------------------------- the load seam of qsa_sparse_gqa
+
+
+def fp8_load(parts: tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The fp8 format as a ``load`` of spec/ops/qsa.py: one e4m3 pool, read back with the cast.
+
+    A named function (not a lambda) so that a kernel can recognise the format it stands for.
+    """
+    return fp8_dequantize(parts[0], dtype)
+
+
+def nvfp4_load(parts: tuple[torch.Tensor, ...], dtype: torch.dtype, *, gs: torch.Tensor
+               ) -> torch.Tensor:
+    """The nvfp4 format as a ``load``: pools (uint8 codes, e4m3 block scales), read back as
+    ``nvfp4_dequantize``. Bind the layer's global scale with ``functools.partial(nvfp4_load, gs=gs)``:
+    the seam's way to carry a format's parameter, which a kernel reads from ``partial.keywords``."""
+    return nvfp4_dequantize(parts[0], parts[1], gs, dtype)

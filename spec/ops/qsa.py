@@ -8,6 +8,7 @@ pipeline of one QSA layer, one function per MATH.md item:
 3. ``qsa_index_scores``   ``s[t, b] = sum_h wI[t,h] * relu(qI[t,h] . kbar_b)`` over complete blocks
 4. ``qsa_select``         canonical top-k block selection plus the always-selected window
 5. ``qsa_expand``         selected blocks -> token positions
+   ``qsa_topk_expand``    items 4 and 5 composed (the fused fast paths' definition)
 6. ``qsa_sparse_gqa``     gated grouped-query attention over the selected tokens
 
 ``dense_causal_gqa`` is the dense causal attention MATH.md names as the oracle of item 6 when every
@@ -404,6 +405,24 @@ def qsa_expand(selected: torch.Tensor, positions: torch.Tensor,
         tokens = [j for b in blocks for j in range(tpb * b, tpb * (b + 1)) if j < limit]
         out[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.int64, device=selected.device)
     return out
+
+
+# ---------------------------------------------------------------------------------------------------
+# 4 + 5. Selection fused with expansion
+# ---------------------------------------------------------------------------------------------------
+
+def qsa_topk_expand(scores: torch.Tensor, positions: torch.Tensor,
+                    context_lens: torch.Tensor | None = None, k: int = TOP_K,
+                    sink_blocks: int = SINK_BLOCKS, local_blocks: int = LOCAL_BLOCKS,
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``qsa_select`` followed by ``qsa_expand`` (MATH.md QSA items 4 and 5), by definition.
+
+    scores: [N, n_cols]; positions: integer [N]; context_lens: integer [N] or None (t + 1).
+    Returns (selected int64 [N, k + sink + local], tokens int64 [N, 32 * (k + sink + local)]). Both
+    are returned so that IndexShare (item 7) can reuse the block ids of the selection.
+    """
+    selected = qsa_select(scores, positions, k, sink_blocks, local_blocks)
+    return selected, qsa_expand(selected, positions, context_lens)
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -81,3 +81,19 @@ def test_receipt_files_keep_the_latest_record_per_key(op, tmp_path: Path):
     assert sorted(books) == ["cpu", "sm_90"]
     assert len((tmp_path / "cpu.jsonl").read_text().splitlines()) == 1
     assert books["cpu"][("gated_rmsnorm", "torch", cell.id)].status == "passed"
+
+
+def test_pruning_drops_only_the_receipts_of_targets_that_are_gone(op, tmp_path: Path):
+    from certify.receipts import prune_receipts
+
+    a, b = op.cells[0], op.cells[1]
+    kept = make_receipt(op, "torch", a, "cpu", Outcome("passed"))
+    gone = make_receipt(op, "torch", b, "cpu", Outcome("passed"))
+    other_arch = make_receipt(op, "torch", a, "sm_90", Outcome("error", {}, "did not compile"))
+    write_receipts(tmp_path, [kept, gone, other_arch])
+    live = {("cpu", op.op, "torch", a.id)}
+    dropped = prune_receipts(tmp_path, live)
+    assert {(r.arch, r.cell) for r in dropped} == {("cpu", b.id), ("sm_90", a.id)}
+    books = load_receipts(tmp_path)
+    assert list(books["cpu"]) == [kept.key] and books.get("sm_90", {}) == {}
+    assert prune_receipts(tmp_path, live) == []                      # idempotent

@@ -1,0 +1,170 @@
+"""Benchmark the QSA sparse GQA decode step: the Triton split-K variant against the KV-bytes floor and
+a torch eager peer (gather + SDPA), for bf16, fp8 and nvfp4 KV.
+
+Run on the GPU machine from the repository root:
+    python3 bench/qsa_sparse_gqa.py [--out DIR]
+It writes ``qsa_sparse_gqa.md`` (date, GPU, versions) into DIR (default reports/bench). The floor is
+the bytes of the selected K and V actually read (plus nvfp4 block scales) over the device-to-device
+copy bandwidth measured in the same run (bench/gdn_decode.py's copy_bandwidth). Timings are medians
+of CUDA-graph replays after a check against the float64 spec on a subset of rows.
+``--smoke`` runs tiny shapes on the CPU (Triton's interpreter) and writes nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import functools
+import platform
+from pathlib import Path
+
+import torch
+
+from certify.oracles import tolerance
+from certify.paths import project_paths
+from impl.kernels.qsa.triton_sparse_gqa import triton_decode
+from spec.ops.kv_storage import fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load, nvfp4_quantize
+from spec.ops.qsa import qsa_sparse_gqa
+
+TPB = 32
+
+
+def decode_inputs(batch: int, sel_blocks: int, ctx_blocks: int, n_q: int, n_kv: int, d: int,
+                  kv: str, device: str, seed: int = 0) -> dict:
+    """``batch`` decode rows, each selecting ``sel_blocks`` full blocks (32 tokens each) of its own
+    ``ctx_blocks``-block context, pages shuffled over the pool; seeded, never zeros."""
+    gen = torch.Generator().manual_seed(seed)
+    pages = torch.randperm(batch * ctx_blocks, generator=gen).reshape(batch, ctx_blocks).int()
+    tokens = torch.empty(batch, sel_blocks * TPB, dtype=torch.int64)
+    for b in range(batch):
+        blocks = torch.randperm(ctx_blocks, generator=gen)[:sel_blocks].sort().values
+        tokens[b] = (blocks[:, None] * TPB + torch.arange(TPB)).flatten()
+    shape = (batch * ctx_blocks, TPB, n_kv, d)
+    k = (torch.randn(*shape, generator=gen) + 0.1).bfloat16().float()
+    v = (torch.randn(*shape, generator=gen) + 0.1).bfloat16().float()
+    q = (torch.randn(batch, n_q, d, generator=gen) * 2).bfloat16()
+    gate = (torch.randn(batch, n_q, d, generator=gen) * 2).bfloat16()
+
+    def store(x):
+        if kv == "bf16":
+            return x.bfloat16(), None
+        if kv == "fp8":
+            return fp8_quantize(x), fp8_load
+        gs = nvfp4_global_scale(float(x.abs().max()))
+        return nvfp4_quantize(x, gs), functools.partial(nvfp4_load, gs=gs.to(device))
+
+    (kc, lk), (vc, lv) = store(k), store(v)
+    mv = (lambda c: c.to(device) if isinstance(c, torch.Tensor) else tuple(p.to(device) for p in c))
+    return dict(q=q.to(device), gate=gate.to(device), tokens=tokens.to(device),
+                seq_ids=torch.arange(batch, dtype=torch.int32, device=device),
+                block_table=pages.to(device), k_cache=mv(kc), v_cache=mv(vc), load=lk, load_v=lv)
+
+
+def kv_bytes(inp: dict) -> int:
+    """Bytes of the selected K and V slots (every pool of each, scales included)."""
+    n_tok = int((inp["tokens"] >= 0).sum())
+    total = 0
+    for cache in (inp["k_cache"], inp["v_cache"]):
+        for pool in ((cache,) if isinstance(cache, torch.Tensor) else cache):
+            total += n_tok * pool[0, 0].numel() * pool.element_size()
+    return total
+
+
+def torch_peer(inp: dict):
+    """Eager peer: gather the selected slots, dequantize with the spec's load, SDPA (GQA expanded)."""
+    q, tokens, table = inp["q"], inp["tokens"], inp["block_table"]
+    n, n_q, d = q.shape
+    pages = table.long().gather(1, tokens // TPB)
+    offs = tokens % TPB
+
+    def gather(cache, load):
+        pools = (cache,) if isinstance(cache, torch.Tensor) else cache
+        parts = tuple(p[pages, offs] for p in pools)  # [N, W, n_kv, ...]
+        x = parts[0] if load is None else load(parts, torch.bfloat16)
+        return x.transpose(1, 2)  # [N, n_kv, W, D]
+
+    def call():
+        k, v = gather(inp["k_cache"], inp["load"]), gather(inp["v_cache"], inp["load_v"])
+        rep = n_q // k.shape[1]
+        o = torch.nn.functional.scaled_dot_product_attention(
+            q[:, :, None, :], k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1))
+        return (o[:, :, 0].float() * torch.sigmoid(inp["gate"].float())).bfloat16()
+    return call
+
+
+def check(inp: dict, rows: int = 4) -> float:
+    """Max ulp of the Triton output against the float64 spec on the first ``rows`` rows."""
+    sub = dict(inp, **{n: inp[n][:rows].contiguous() for n in ("q", "gate", "tokens", "seq_ids")})
+    out = torch.full_like(sub["q"], float("nan"))
+    triton_decode(**sub, out=out)
+    cpu = {n: (v.cpu() if isinstance(v, torch.Tensor) else
+               tuple(p.cpu() for p in v) if isinstance(v, tuple) else v) for n, v in sub.items()}
+    for n in ("load", "load_v"):
+        if isinstance(cpu[n], functools.partial):
+            cpu[n] = functools.partial(cpu[n].func, gs=cpu[n].keywords["gs"].cpu())
+    ref = qsa_sparse_gqa(**{n: (v.double() if isinstance(v, torch.Tensor) and n in ("q", "gate")
+                                else v) for n, v in cpu.items()})
+    v = tolerance("out", out.cpu(), ref, 8, 4)
+    if not v.passed:
+        raise SystemExit(f"check failed: {v.problems}")
+    return v.metrics["out.ulp"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=str(project_paths().reports / "bench"))
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no report")
+    args = p.parse_args()
+    if args.smoke:
+        for kv in ("bf16", "fp8", "nvfp4"):
+            inp = decode_inputs(2, 2, 4, 4, 2, 32, kv, "cpu")
+            print(f"smoke {kv}: max ulp vs float64 spec {check(inp, 2):.2f}; "
+                  f"KV bytes {kv_bytes(inp)}; peer ran: {torch_peer(inp)().shape}")
+        return
+    import triton
+    import triton.testing
+
+    from bench.gdn_decode import copy_bandwidth  # same floor measure as the GDN bench
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    bw = copy_bandwidth()
+    lines_rows = []
+    for kv in ("bf16", "fp8", "nvfp4"):
+        inp = decode_inputs(128, 64, 256, 24, 2, 256, kv, "cuda")
+        ulp = check(inp)
+        out = torch.empty_like(inp["q"])
+        try:
+            us = triton.testing.do_bench_cudagraph(lambda: triton_decode(**inp, out=out), rep=200) * 1e3
+        except Exception as e:  # noqa: BLE001 - a wrapper that syncs cannot be captured: plain launches
+            print(f"graph capture failed ({type(e).__name__}); timing plain launches")
+            torch.cuda.synchronize()
+            us = triton.testing.do_bench(lambda: triton_decode(**inp, out=out), rep=200,
+                                         return_mode="median") * 1e3
+        nbytes = kv_bytes(inp)
+        floor = nbytes / bw * 1e6
+        peer = torch_peer(inp)
+        try:
+            peer_us = f"{triton.testing.do_bench(peer, rep=200, return_mode='median') * 1e3:.1f}"
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
+            peer_us = f"not run ({type(e).__name__})"
+        lines_rows.append(f"| {kv} | {nbytes / 1e6:.1f} | {floor:.1f} | {us:.1f} | "
+                          f"{floor / us:.0%} | {nbytes / (us * 1e-6) / 1e12:.2f} | {ulp:.2f} | "
+                          f"{peer_us} |")
+    versions = {"python": platform.python_version(), "torch": torch.__version__,
+                "triton": triton.__version__}
+    lines = [f"# QSA sparse GQA decode, {torch.cuda.get_device_name()}, {dt.date.today().isoformat()}",
+             "", f"Versions: {versions}. 128 decode rows, 2048 selected keys a row (64 blocks of 32 "
+             f"out of 256), 24 q heads / 2 KV heads / head_dim 256. Copy bandwidth (read + write) "
+             f"measured in this run: {bw / 1e12:.2f} TB/s. Floor = selected K/V bytes (+ scales) / "
+             "that bandwidth. Times: median of CUDA-graph replays (Triton), median of eager calls "
+             "(peer), microseconds.", "",
+             "| KV | KV MB | floor us | triton_decode us | floor / time | TB/s | max ulp (4 rows) | "
+             "torch gather + SDPA us |", "|---|---|---|---|---|---|---|---|", *lines_rows]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "qsa_sparse_gqa.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

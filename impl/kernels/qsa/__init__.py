@@ -1,0 +1,1 @@
+"""Fast paths of the QSA sparse-attention ops (spec/ops/qsa.py)."""
