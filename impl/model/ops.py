@@ -21,6 +21,7 @@ Storage conventions (the engine's state, updated here in place):
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any, Callable
 
 import torch
@@ -175,9 +176,8 @@ class Ops:
                 self._reference(op, tokens=x.shape[0], **axes)
                 return (spec_kv.fp8_quantize(x),)
 
-            def load(parts, dtype):
-                return spec_kv.fp8_dequantize(parts[0], dtype)
-            return store, store, load, load
+            # The named loads of spec/ops/kv_storage.py: a kernel recognises the format by them
+            return store, store, spec_kv.fp8_load, spec_kv.fp8_load
 
         def store_with(gs):
             def store(x):
@@ -185,9 +185,8 @@ class Ops:
                 return spec_kv.nvfp4_quantize(x, gs)
             return store
 
-        def load_with(gs):
-            return lambda parts, dtype: spec_kv.nvfp4_dequantize(parts[0], parts[1], gs, dtype)
-        return store_with(k_gs), store_with(v_gs), load_with(k_gs), load_with(v_gs)
+        return (store_with(k_gs), store_with(v_gs), partial(spec_kv.nvfp4_load, gs=k_gs),
+                partial(spec_kv.nvfp4_load, gs=v_gs))
 
     # ------------------------------------------------------------------ QSA
 
