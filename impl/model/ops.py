@@ -78,9 +78,19 @@ class Ops:
 
     # ------------------------------------------------------------------ norms, HC, PLE, MoE
 
+    def _kernel_outputs(self, impl: Callable, inputs: dict[str, Any], outputs: dict[str, Any],
+                        **kw: Any) -> None:
+        """Run a kernel variant into its output buffers (shape-only mode: buffers only)."""
+        if not self.shape_only:
+            impl(**inputs, **outputs, **kw)
+
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        self._reference("rmsnorm", rows=x.shape[0], hidden=x.shape[-1])
-        return spec_norms.rmsnorm(x, w, eps)
+        ref, impl = self._choose("rmsnorm", rows=x.shape[0], hidden=x.shape[-1])
+        if ref:
+            return spec_norms.rmsnorm(x, w, eps)
+        out = torch.empty_like(x)
+        self._kernel_outputs(impl, {"x": x.contiguous(), "w": w}, {"out": out}, eps=eps)
+        return out
 
     def hc_inject_norm(self, X: torch.Tensor, eps: float):
         self._reference("hc_inject_norm", tokens=X.shape[0], streams=X.shape[1], hidden=X.shape[2])
@@ -121,9 +131,13 @@ class Ops:
         return spec_moe.moe(u, w.router, w.experts, w.shared, top_k)
 
     def logits_cast(self, logits: torch.Tensor) -> torch.Tensor:
-        self._reference("logits_cast", rows=logits.shape[0], vocab=logits.shape[-1],
-                        logits_dtype=DTYPE_NAME[logits.dtype])
-        return spec_mtp.logits_cast(logits)
+        ref, impl = self._choose("logits_cast", rows=logits.shape[0], vocab=logits.shape[-1],
+                                 logits_dtype=DTYPE_NAME[logits.dtype])
+        if ref:
+            return spec_mtp.logits_cast(logits)
+        out = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+        self._kernel_outputs(impl, {"logits": logits.contiguous()}, {"logits_fp32": out})
+        return out
 
     def mtp_draft_input(self, ids, h, embed, norm_emb, norm_h, fc, act: torch.dtype):
         self._reference("mtp_draft_input", rows=ids.shape[0], hidden=h.shape[-1],
@@ -192,11 +206,17 @@ class Ops:
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, rotary_dim, theta, eps, *, step: str,
                      context: int):
-        self._reference("qk_norm_rope", step="decode" if step == "decode" else "prefill",
-                        rows=q.shape[0], context=context, rope="plain",
-                        act_dtype=DTYPE_NAME[q.dtype], q_heads=q.shape[1], kv_heads=k.shape[1],
-                        head_dim=q.shape[2])
-        return spec_rope.qk_norm_rope(q, k, q_norm, k_norm, positions, rotary_dim, theta, eps)
+        ref, impl = self._choose("qk_norm_rope", step="decode" if step == "decode" else "prefill",
+                                 rows=q.shape[0], context=context, rope="plain",
+                                 act_dtype=DTYPE_NAME[q.dtype], q_heads=q.shape[1],
+                                 kv_heads=k.shape[1], head_dim=q.shape[2])
+        if ref:
+            return spec_rope.qk_norm_rope(q, k, q_norm, k_norm, positions, rotary_dim, theta, eps)
+        q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        self._kernel_outputs(impl, {"q": q, "k": k, "w_q": q_norm, "w_k": k_norm,
+                                    "positions": positions}, {"q_out": q_out, "k_out": k_out},
+                             rotary_dim=rotary_dim, theta=theta, eps=eps)
+        return q_out, k_out
 
     def qsa_kv_append(self, planes, block_table, seq_ids, positions, k, v, store_k, store_v,
                       *, axes: dict):

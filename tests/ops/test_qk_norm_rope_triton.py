@@ -71,7 +71,7 @@ def test_planted_bug_wrong_mrope_sections_is_rejected():
 @pytest.mark.premerge
 def test_planted_bug_position_off_by_one_is_rejected():
     """The rotation at the position after the token's (a position counted after the append)."""
-    inputs = _case(16, 131072, "plain", "decode")
+    inputs = _case(16, 8192, "plain", "decode")
     got = _run({**inputs, "positions": inputs["positions"] + 1})
     assert not all(v.passed for v in _verdicts(inputs, got))
 
@@ -79,7 +79,9 @@ def test_planted_bug_position_off_by_one_is_rejected():
 @pytest.mark.premerge
 def test_bad_input_is_refused():
     inputs = _case(4, 300, "plain")
-    with pytest.raises(ValueError, match="non-negative"):
+    with pytest.raises(ValueError, match="must lie in"):
         _run({**inputs, "positions": inputs["positions"] - 1000})
+    with pytest.raises(ValueError, match="must lie in"):
+        _run({**inputs, "positions": inputs["positions"] + 131072})
     with pytest.raises(ValueError, match="bf16"):
         _run({**inputs, "q": inputs["q"].float()})
