@@ -23,9 +23,10 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Self
 
 
 def _early_setup(argv: list[str]) -> None:
@@ -46,16 +47,16 @@ def _early_setup(argv: list[str]) -> None:
 if __name__ == "__main__":
     _early_setup(sys.argv[1:])
 
-import torch  # noqa: E402
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.backends.driver import DriverBase  # noqa: E402
-from triton.runtime.driver import driver as _driver_config  # noqa: E402
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.backends.driver import DriverBase
+from triton.runtime.driver import driver as _driver_config
 
-from certify.catalog import load_catalog  # noqa: E402
-from certify.harness import build_case, run_variant, variant_callable  # noqa: E402
-from certify.paths import project_paths  # noqa: E402
-from certify.plan import Target, targets  # noqa: E402
+from certify.catalog import load_catalog
+from certify.harness import build_case, run_variant, variant_callable
+from certify.paths import project_paths
+from certify.plan import Target, targets
 
 ARCH = "sm_90"
 TARGET = GPUTarget("cuda", 90, 32)
@@ -150,8 +151,8 @@ class Sm90Driver(DriverBase):
 
 
 def _before_compile(*, fn: Any, compile: dict, **_: Any) -> None:
+    """Triton's jit_cache_hook, called just before a compile; its None return lets the compile go on."""
     RECORDER.compiling = f"{fn.name}({_constexprs(fn, compile)})"
-    return None  # falsy: Triton goes on and compiles
 
 
 def _constexprs(fn: Any, compile: dict) -> str:
@@ -168,7 +169,6 @@ def _constexprs(fn: Any, compile: dict) -> str:
 
 def _after_compile(**_: Any) -> None:
     RECORDER.compiling = None
-    return None
 
 
 def install_driver() -> None:
@@ -201,7 +201,7 @@ class _CaptureStderr:
     """MLIR prints its diagnostics (the reason behind "PassManager::run failed") to file descriptor 2
     from C++, not into the exception: capture the descriptor around each target."""
 
-    def __enter__(self) -> "_CaptureStderr":
+    def __enter__(self) -> Self:
         sys.stderr.flush()
         self._file = tempfile.TemporaryFile(mode="w+b")
         self._saved = os.dup(2)
@@ -209,7 +209,7 @@ class _CaptureStderr:
         self.text = ""
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, *exc: object) -> None:
         sys.stderr.flush()
         os.dup2(self._saved, 2)
         os.close(self._saved)
