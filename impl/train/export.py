@@ -121,21 +121,23 @@ def evaluate(model: TrainModel, device, counts: dict[str, int] = CARD_SAMPLES,
 
 
 def export(run, out: Path, budget_s: float = 600.0, counts: dict[str, int] = CARD_SAMPLES,
-           ablation: dict[str, int] = ABLATION_SAMPLES) -> None:
+           ablation: dict[str, int] = ABLATION_SAMPLES, status: str | None = None) -> None:
+    """The checkpoint and its card; ``status`` (e.g. an interim checkpoint's standing) heads the card."""
     model = run.model
     model.eval()
     model.set_qat(True)
     weights = model.to_weights()
     scores = evaluate(model, run.device, counts, ablation, budget_s=budget_s)
     st, tc = run.state, run.tc
-    meta = {"seed": str(tc.seed), "trunk_steps": str(tc.trunk_steps), "mtp_steps": str(tc.mtp_steps),
+    meta = {"seed": str(tc.seed), "trunk_steps": str(tc.total_trunk_steps),
+            "mtp_steps": str(tc.mtp_steps),
             "train_minutes": f"{st['elapsed'] / 60:.1f}", "scores": json.dumps(scores)}
     out.parent.mkdir(parents=True, exist_ok=True)
     # bf16 dense weights: what the engine runs, and half the file
     bf16 = _cast(weights, model.cfg, torch.bfloat16)
     save_checkpoint(out, bf16, model.cfg, metadata=meta)
     card = out.with_suffix(".md")
-    card.write_text(model_card(out, tc, st, scores))
+    card.write_text(model_card(out, tc, st, scores, status))
     print(f"wrote {out} ({out.stat().st_size / 2**20:.2f} MiB) and {card}")
 
 
@@ -151,7 +153,7 @@ def _cast(weights, cfg, dtype):
         return load_checkpoint(tmp, dtype=dtype).weights
 
 
-def model_card(path: Path, tc, state, scores: dict) -> str:
+def model_card(path: Path, tc, state, scores: dict, status: str | None = None) -> str:
     def cell(r, key, fmt):
         return format(r[key], fmt) if key in r else "-"
 
@@ -160,8 +162,9 @@ def model_card(path: Path, tc, state, scores: dict) -> str:
         f"{cell(r, 'acceptance_length_k3', '.2f')} | {cell(r, 'acceptance_length_k7', '.2f')} | "
         f"{cell(r, 'accuracy_without_index_selection', '.1f')} |" for n, r in scores.items())
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    status_text = f"\n**Status: {status}**\n" if status else ""
     return f"""# Model card: `{path.name}`
-
+{status_text}
 The tiny Flash-Next checkpoint the accuracy gates run on (certify/gates/). Trained by
 `python -m impl.train.train_tiny` (docs/training.md) on the synthetic tasks of impl/tasks/.
 
@@ -169,7 +172,7 @@ The tiny Flash-Next checkpoint the accuracy gates run on (certify/gates/). Train
 |---|---|
 | config | `ModelConfig.tiny()` ({json.dumps(path.name)}; hidden 128, 4 layers, vocab 256 bytes) |
 | seed | {tc.seed} |
-| steps | trunk {tc.trunk_steps}, MTP self-distillation {tc.mtp_steps} (unrolled over {tc.unroll} draft steps) |
+| steps | trunk {tc.total_trunk_steps}, MTP self-distillation {tc.mtp_steps} (unrolled over {tc.unroll} draft steps) |
 | wall time | {state['elapsed'] / 60:.1f} min of training |
 | training config | `{json.dumps(tc.model_dump(mode='json'), sort_keys=True)}` |
 | exported | {date} |
