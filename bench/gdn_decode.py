@@ -26,21 +26,11 @@ from certify.harness import build_case, run_spec, run_variant, variant_callable
 from certify.oracles import tolerance
 from certify.paths import project_paths
 from spec.ops import gdn
+from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 BATCHES = (1, 32, 128)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB of fp32, bytes read + written per second: the best of plain
-    launches and graph replays (medians), so the floor is never flattered by a slow copy."""
-    import triton.testing
-
-    src = torch.randn(1 << 29, device="cuda")
-    dst = torch.empty_like(src)
-    nbytes = 2 * src.numel() * src.element_size()
-    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), rep=300, return_mode="median"),
-             triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
-    return nbytes / (ms * 1e-3)
 
 
 def time_variant(fn, case) -> float:

@@ -34,6 +34,7 @@ from certify.harness import build_case, run_spec, run_variant, variant_callable
 from certify.oracles import tolerance
 from certify.paths import project_paths
 from spec.ops import gdn
+from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 TIMED = ("triton_chunked", "torch_chunked")
 # Configurations seen to run on the H200 (2026-11-29); bv 32 with 8 warps, and k^T taken by tl.trans of
@@ -43,17 +44,6 @@ SWEEP = [dict(bv=32, num_stages=2), dict(bv=16, num_stages=1), dict(bv=64, num_s
          dict(bv=64, num_warps=8), dict(bv=128, num_warps=8), dict(dot="tf32")]
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB of fp32, bytes read + written per second (as gdn_decode.py)."""
-    import triton.testing
-
-    src = torch.randn(1 << 29, device="cuda")
-    dst = torch.empty_like(src)
-    nbytes = 2 * src.numel() * src.element_size()
-    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), rep=300, return_mode="median"),
-             triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
-    del src, dst
-    return nbytes / (ms * 1e-3)
 
 
 def bench(call) -> tuple[float, str]:

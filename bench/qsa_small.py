@@ -28,6 +28,7 @@ from certify.oracles import bitwise, tolerance
 from impl.kernels.qsa import triton_append, triton_index
 from spec.cases.qsa import index_scores_case, index_store_case, kv_append_case
 from spec.ops import qsa
+from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 SHAPES = {"decode_b128": dict(step="decode", batch=128, rows=128, context=131072),
           "prefill_16k": dict(step="prefill", batch=1, rows=16384, context=16384)}
@@ -37,16 +38,6 @@ APPEND = dict(act_dtype="bfloat16", kv_heads=2, head_dim=256)
 INDEX = dict(plane_dtype="bfloat16", act_dtype="bfloat16", index_dim=128, index_heads=16)
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB of fp32, bytes read + written per second (best of plain launches
-    and graph replays, medians), so the floor is never flattered by a slow copy."""
-    import triton.testing
-
-    src = torch.randn(1 << 29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), rep=300, return_mode="median"),
-             triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
-    return 2 * src.numel() * src.element_size() / (ms * 1e-3)
 
 
 def timed(call, cuda: bool, graph: bool = True) -> float:

@@ -5,7 +5,7 @@ Run on the GPU machine from the repository root:
     python3 bench/qsa_sparse_gqa.py [--out DIR]
 It writes ``qsa_sparse_gqa.md`` (date, GPU, versions) into DIR (default reports/bench). The floor is
 the bytes of the selected K and V actually read (plus nvfp4 block scales) over the device-to-device
-copy bandwidth measured in the same run (bench/gdn_decode.py's copy_bandwidth). Timings are medians
+copy bandwidth measured in the same run (bench/bench_common.py's copy_bandwidth). Timings are medians
 of CUDA-graph replays after a check against the float64 spec on a subset of rows.
 ``--smoke`` runs tiny shapes on the CPU (Triton's interpreter) and writes nothing.
 """
@@ -124,7 +124,7 @@ def main() -> None:
     import triton
     import triton.testing
 
-    from bench.gdn_decode import copy_bandwidth  # same floor measure as the GDN bench
+    from bench_common import copy_bandwidth  # the floor measure every benchmark shares
 
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()

@@ -36,6 +36,7 @@ from certify.paths import project_paths
 from impl.kernels.qsa import torch_topk_expand, triton_topk_expand
 from spec.cases.qsa import TPB, WIDTH_BLOCKS, topk_expand_case
 from spec.ops.qsa import qsa_topk_expand
+from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 VARIANTS = {"triton": triton_topk_expand.qsa_topk_expand, "torch": torch_topk_expand.qsa_topk_expand}
 SHAPES = {  # name -> cell axes
@@ -98,17 +99,6 @@ def rotating_call(fn, inputs: dict[str, torch.Tensor]):
     return call
 
 
-def copy_bandwidth() -> float:
-    """Device-to-device copy of 2 GiB of fp32, bytes read + written per second (as gdn_decode.py)."""
-    import triton.testing
-
-    src = torch.randn(1 << 29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), rep=300, return_mode="median"),
-             triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
-    nbytes = 2 * src.numel() * src.element_size()
-    del src, dst
-    return nbytes / (ms * 1e-3)
 
 
 def time_us(call) -> tuple[float, float]:

@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from gdn_decode import copy_bandwidth  # noqa: E402
+from bench_common import copy_bandwidth  # noqa: E402
 
 from certify.catalog import load_op_file  # noqa: E402
 from certify.harness import build_case, resolve, run_spec, run_variant, variant_callable  # noqa: E402

@@ -1,0 +1,23 @@
+"""What every benchmark script shares: the memory floor's bandwidth, measured in the same run.
+
+Scripts run as ``python3 bench/NAME.py`` from the repository root, so this folder is on their import
+path and ``from bench_common import copy_bandwidth`` finds this module.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def copy_bandwidth() -> float:
+    """Device-to-device copy of 2 GiB of fp32, bytes read + written per second: the best of plain
+    launches and graph replays (medians), so the floor is never flattered by a slow copy."""
+    import triton.testing
+
+    src = torch.randn(1 << 29, device="cuda")
+    dst = torch.empty_like(src)
+    nbytes = 2 * src.numel() * src.element_size()
+    ms = min(triton.testing.do_bench(lambda: dst.copy_(src), rep=300, return_mode="median"),
+             triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
+    del src, dst
+    return nbytes / (ms * 1e-3)
