@@ -169,6 +169,19 @@ def _default_splits(rows: int, n_kv: int, tiles: int, device: torch.device) -> i
     return max(1, min(tiles, target))
 
 
+def _formats(q: torch.Tensor, k_cache, v_cache, load, load_v) -> tuple[KvFormat, KvFormat, int]:
+    """The K and V storage formats (one format for both) and the KV head count, checked against q."""
+    hq, d = q.shape[1], q.shape[2]
+    load_v = load if load_v is None else load_v
+    n_kv = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache[0]).shape[2]
+    kf, vf = KvFormat(k_cache, load, n_kv, d), KvFormat(v_cache, load_v, n_kv, d)
+    if kf.fmt != vf.fmt:
+        raise ValueError("K and V must share a storage format")
+    if hq % n_kv:
+        raise ValueError(f"n_q_heads {hq} is not a multiple of n_kv_heads {n_kv}")
+    return kf, vf, n_kv
+
+
 def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_ids: torch.Tensor,
                   block_table: torch.Tensor, k_cache, v_cache, load=None, load_v=None,
                   scale: float | None = None, *, out: torch.Tensor, num_splits: int | None = None,
@@ -178,13 +191,7 @@ def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq
     [N, HQ, D] bf16 completely."""
     _check(q, gate, tokens, seq_ids, block_table, out)
     n, hq, d = q.shape
-    load_v = load if load_v is None else load_v
-    n_kv = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache[0]).shape[2]
-    kf, vf = KvFormat(k_cache, load, n_kv, d), KvFormat(v_cache, load_v, n_kv, d)
-    if kf.fmt != vf.fmt:
-        raise ValueError("K and V must share a storage format")
-    if hq % n_kv:
-        raise ValueError(f"n_q_heads {hq} is not a multiple of n_kv_heads {n_kv}")
+    kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
     if n == 0:
         return
     g = hq // n_kv
@@ -299,13 +306,7 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
     each K/V tile read (``rows_per_tile`` rows a program)."""
     _check(q, gate, tokens, seq_ids, block_table, out)
     n, hq, d = q.shape
-    load_v = load if load_v is None else load_v
-    n_kv = (k_cache if isinstance(k_cache, torch.Tensor) else k_cache[0]).shape[2]
-    kf, vf = KvFormat(k_cache, load, n_kv, d), KvFormat(v_cache, load_v, n_kv, d)
-    if kf.fmt != vf.fmt:
-        raise ValueError("K and V must share a storage format")
-    if hq % n_kv:
-        raise ValueError(f"n_q_heads {hq} is not a multiple of n_kv_heads {n_kv}")
+    kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
     if n == 0:
         return
     g = hq // n_kv
