@@ -36,6 +36,12 @@ SMOKE = {"decode_b4": dict(step="decode", batch=4, rows=4, context=300),
          "prefill_96": dict(step="prefill", batch=1, rows=96, context=128)}
 APPEND = dict(act_dtype="bfloat16", kv_heads=2, head_dim=256)
 INDEX = dict(plane_dtype="bfloat16", act_dtype="bfloat16", index_dim=128, index_heads=16)
+T0 = time.perf_counter()
+
+
+def say(what: str) -> None:
+    """Progress on stdout, so a run cut short by its time limit shows where it was."""
+    print(f"[{time.perf_counter() - T0:.0f}s] {what}", flush=True)
 
 
 
@@ -67,6 +73,7 @@ def bench_append(axes: dict, cuda: bool, dev) -> list[dict]:
     out = []
     for kv, fmt in (("bfloat16", "bf16"), ("fp8", "fp8"), ("nvfp4", "nvfp4")):
         case = kv_append_case(dict(axes, kv_dtype=kv, **APPEND), torch.Generator().manual_seed(1), dev)
+        say(f"append {fmt}: case built")
         got = run_variant(triton_append.qsa_kv_append, case)
         ref = run_spec(qsa.qsa_kv_append, case, reference=False)
         ok = all(bitwise(n, got[n].cpu(), ref[n].cpu()).passed for n in case.outputs)
@@ -87,6 +94,7 @@ def bench_append(axes: dict, cuda: bool, dev) -> list[dict]:
 def bench_index(axes: dict, cuda: bool, dev) -> list[dict]:
     out = []
     case = index_store_case(dict(axes, **INDEX), torch.Generator().manual_seed(2), dev)
+    say("index store: case built")
     got = run_variant(triton_index.qsa_index_store, case)
     ref = run_spec(qsa.qsa_index_store, case, reference=False)
     ok = all(bitwise(n, got[n].cpu(), ref[n].cpu()).passed for n in case.outputs)
@@ -100,12 +108,16 @@ def bench_index(axes: dict, cuda: bool, dev) -> list[dict]:
     # the spec's index store loops over pages on the host: too slow to graph-capture, timed once
     out.append({"op": "qsa_index_store", "ok": ok, "kernel": timed(kern, cuda),
                 "spec": timed(lambda: qsa.qsa_index_store(**i), cuda, graph=False), "bytes": nbytes})
+    say("index store: timed")
     case = index_scores_case(dict(axes, **INDEX), torch.Generator().manual_seed(3), dev)
+    say("index scores: case built")
     got = run_variant(triton_index.qsa_index_scores, case)["scores"]
     ref = run_spec(qsa.qsa_index_scores, case, reference=True)["scores"]
+    say("index scores: float64 spec done")
     # a sanity check that the timed code computes the op (a wrong score is far off); the bands are the
-    # cells' job, and a short table's RMS is not what the cell band describes
-    v = tolerance("scores", got.cpu(), ref.cpu(), 64, 16, allow_matching_inf=True)
+    # cells' job. Ulps are taken against the whole table's largest score: a row with a single column
+    # whose heads cancel would otherwise be measured against its own tiny value
+    v = tolerance("scores", got.cpu().flatten(), ref.cpu().flatten(), 64, 16, allow_matching_inf=True)
     ok = v.passed or print(v.problems)
     i = case.inputs
     scores = torch.empty(case.outputs["scores"].shape, dtype=torch.float32, device=dev)

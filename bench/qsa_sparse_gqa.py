@@ -16,6 +16,7 @@ import argparse
 import datetime as dt
 import functools
 import platform
+import time
 from pathlib import Path
 
 import torch
@@ -39,11 +40,13 @@ def decode_inputs(batch: int, sel_blocks: int, ctx_blocks: int, n_q: int, n_kv: 
     for b in range(batch):
         blocks = torch.randperm(ctx_blocks, generator=gen)[:sel_blocks].sort().values
         tokens[b] = (blocks[:, None] * TPB + torch.arange(TPB)).flatten()
+    # the pools (1 GiB of bf16 at the benchmark shape) are drawn and quantized where they live
+    dgen = torch.Generator(device=device).manual_seed(seed + 1)
     shape = (batch * ctx_blocks, TPB, n_kv, d)
-    k = (torch.randn(*shape, generator=gen) + 0.1).bfloat16().float()
-    v = (torch.randn(*shape, generator=gen) + 0.1).bfloat16().float()
-    q = (torch.randn(batch, n_q, d, generator=gen) * 2).bfloat16()
-    gate = (torch.randn(batch, n_q, d, generator=gen) * 2).bfloat16()
+    k = (torch.randn(*shape, generator=dgen, device=device) + 0.1).bfloat16().float()
+    v = (torch.randn(*shape, generator=dgen, device=device) + 0.1).bfloat16().float()
+    q = (torch.randn(batch, n_q, d, generator=dgen, device=device) * 2).bfloat16()
+    gate = (torch.randn(batch, n_q, d, generator=dgen, device=device) * 2).bfloat16()
 
     def store(x):
         if kv == "bf16":
@@ -54,10 +57,9 @@ def decode_inputs(batch: int, sel_blocks: int, ctx_blocks: int, n_q: int, n_kv: 
         return nvfp4_quantize(x, gs), functools.partial(nvfp4_load, gs=gs.to(device))
 
     (kc, lk), (vc, lv) = store(k), store(v)
-    mv = (lambda c: c.to(device) if isinstance(c, torch.Tensor) else tuple(p.to(device) for p in c))
-    return dict(q=q.to(device), gate=gate.to(device), tokens=tokens.to(device),
+    return dict(q=q, gate=gate, tokens=tokens.to(device),
                 seq_ids=torch.arange(batch, dtype=torch.int32, device=device),
-                block_table=pages.to(device), k_cache=mv(kc), v_cache=mv(vc), load=lk, load_v=lv)
+                block_table=pages.to(device), k_cache=kc, v_cache=vc, load=lk, load_v=lv)
 
 
 def kv_bytes(inp: dict) -> int:
@@ -129,9 +131,12 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
     lines_rows = []
+    t0 = time.perf_counter()
     for kv in ("bf16", "fp8", "nvfp4"):
         inp = decode_inputs(128, 64, 256, 24, 2, 256, kv, "cuda")
+        print(f"[{time.perf_counter() - t0:.0f}s] {kv}: inputs built", flush=True)
         ulp = check(inp)
+        print(f"[{time.perf_counter() - t0:.0f}s] {kv}: checked, max ulp {ulp:.2f}", flush=True)
         out = torch.empty_like(inp["q"])
         try:
             us = triton.testing.do_bench_cudagraph(lambda: triton_decode(**inp, out=out), rep=200) * 1e3

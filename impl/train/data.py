@@ -3,7 +3,7 @@
 
 Batches hold about ``tokens`` tokens: many short arithmetic or MQAR examples, or a few long retrieval
 contexts (lengths drawn from ``retrieval_lengths``). Generator parameters vary around the evaluation
-sets' (MQAR 8 to 48 pairs, 1 to 12 queries; retrieval 1 to 4 queries a context), and an example whose
+sets' (MQAR 8 to 48 pairs, 1 to 12 queries; retrieval 1 to ``retrieval_queries`` queries a context), and an example whose
 prompt is an evaluation prompt is redrawn.
 """
 
@@ -30,6 +30,7 @@ class DataConfig(BaseModel):
                                                                "retrieval": 0.3})
     tokens: int = Field(65536, ge=64, description="tokens a batch (about)")
     retrieval_lengths: tuple[int, ...] = (512, 1024, 2048, 4096, 8192)
+    retrieval_queries: int = Field(4, ge=1, le=8, description="queries a context: 1 to this")
     max_batch: int = Field(512, ge=1)
 
 
@@ -48,7 +49,8 @@ def _params(task: str, rng: random.Random, cfg: DataConfig):
         pairs = rng.randint(8, 48)
         return MqarParams(pairs=pairs, queries=rng.randint(1, min(12, pairs)))
     length = rng.choice(cfg.retrieval_lengths)
-    return RetrievalParams(length=length, queries=rng.randint(1, 4), stratified=False)
+    return RetrievalParams(length=length, queries=rng.randint(1, cfg.retrieval_queries),
+                           stratified=False)
 
 
 def make_batch(seed: int, phase: str, step: int, cfg: DataConfig) -> Batch:

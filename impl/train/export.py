@@ -130,7 +130,7 @@ def export(run, out: Path, budget_s: float = 600.0, counts: dict[str, int] = CAR
     scores = evaluate(model, run.device, counts, ablation, budget_s=budget_s)
     st, tc = run.state, run.tc
     meta = {"seed": str(tc.seed), "trunk_steps": str(tc.total_trunk_steps),
-            "mtp_steps": str(tc.mtp_steps),
+            "mtp_steps": str(tc.current_mtp_steps),
             "train_minutes": f"{st['elapsed'] / 60:.1f}", "scores": json.dumps(scores)}
     out.parent.mkdir(parents=True, exist_ok=True)
     # bf16 dense weights: what the engine runs, and half the file
@@ -153,6 +153,14 @@ def _cast(weights, cfg, dtype):
         return load_checkpoint(tmp, dtype=dtype).weights
 
 
+def _mtp_history(tc) -> str:
+    """An extension's MTP phase continues the draft layer's weights; the base schedule's phase came
+    first (extensions appended in one ``--extend`` share one MTP phase, so no more is known here)."""
+    if not tc.extensions:
+        return ""
+    return f"; continued from the draft layer of earlier MTP phases (the base schedule's: {tc.mtp_steps} steps)"
+
+
 def model_card(path: Path, tc, state, scores: dict, status: str | None = None) -> str:
     def cell(r, key, fmt):
         return format(r[key], fmt) if key in r else "-"
@@ -172,7 +180,7 @@ The tiny Flash-Next checkpoint the accuracy gates run on (certify/gates/). Train
 |---|---|
 | config | `ModelConfig.tiny()` ({json.dumps(path.name)}; hidden 128, 4 layers, vocab 256 bytes) |
 | seed | {tc.seed} |
-| steps | trunk {tc.total_trunk_steps}, MTP self-distillation {tc.mtp_steps} (unrolled over {tc.unroll} draft steps) |
+| steps | trunk {tc.total_trunk_steps}, MTP self-distillation {tc.current_mtp_steps} after the last trunk step (unrolled over {tc.unroll} draft steps){_mtp_history(tc)} |
 | wall time | {state['elapsed'] / 60:.1f} min of training |
 | training config | `{json.dumps(tc.model_dump(mode='json'), sort_keys=True)}` |
 | exported | {date} |

@@ -243,7 +243,9 @@ def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512) -> torch.Tensor:
     nb = scores.shape[-1]
     rows = cand.sum(-1) > top_k
     if not bool(rows.any()):
-        return scores.sum() * 0.0
+        # no row chooses (short sequences): nothing to learn. A constant, not scores.sum() * 0, which
+        # is NaN where scores holds the -inf of non-candidate blocks
+        return scores.new_zeros(())
     rep = hq // k.shape[2]
     kk = k.detach().repeat_interleave(rep, 2).transpose(1, 2)         # [B, H, T, D]
     masses = []

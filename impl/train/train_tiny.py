@@ -54,6 +54,15 @@ class Extension(BaseModel):
     warmup: int = Field(100, ge=0)
     attention: Literal["dense", "sparse"] = "sparse"
     weights: dict[str, float] | None = Field(None, description="task mixture (default: the run's)")
+    retrieval_lengths: tuple[int, ...] | None = Field(None, description="default: the run's")
+    retrieval_queries: int | None = Field(None, ge=1, le=8, description="default: the run's")
+    mtp_steps: int | None = Field(None, ge=0, description="the MTP phase after this extension "
+                                  "(default: the run's); the draft layer continues from its weights")
+
+    def data(self, base: DataConfig) -> DataConfig:
+        fields = ("weights", "retrieval_lengths", "retrieval_queries")
+        return base.model_copy(update={f: getattr(self, f) for f in fields
+                                       if getattr(self, f) is not None})
 
 
 class TrainConfig(BaseModel):
@@ -89,11 +98,16 @@ class TrainConfig(BaseModel):
             start += ext.steps
         return None
 
+    @property
+    def current_mtp_steps(self) -> int:
+        """The MTP phase's length: the last extension's ``mtp_steps`` where it sets one."""
+        if self.extensions and self.extensions[-1].mtp_steps is not None:
+            return self.extensions[-1].mtp_steps
+        return self.mtp_steps
+
     def data_at(self, phase: str, step: int) -> DataConfig:
         seg = self.extension_at(step) if phase == "trunk" else None
-        if seg is None or seg[1].weights is None:
-            return self.data
-        return self.data.model_copy(update={"weights": seg[1].weights})
+        return self.data if seg is None else seg[1].data(self.data)
 
 
 # ------------------------------------------------------------------------------ one step
@@ -249,7 +263,7 @@ class Run:
         done_here = 0
         while self.state["phase"] in ("trunk", "mtp"):
             phase, tc = self.state["phase"], self.tc
-            total = tc.total_trunk_steps if phase == "trunk" else tc.mtp_steps
+            total = tc.total_trunk_steps if phase == "trunk" else tc.current_mtp_steps
             if self.state["step"] >= total:
                 self._next_phase()
                 continue
@@ -304,16 +318,17 @@ class Run:
         self.save()
         return True
 
-    def extend(self, ext: Extension) -> None:
-        """Append ``ext`` to a run whose trunk schedule has ended: the trunk resumes at its next step
-        with a fresh optimiser, then the MTP phase and the export run again."""
+    def extend(self, *exts: Extension) -> None:
+        """Append ``exts`` (run one after the other) to a run whose trunk schedule has ended: the trunk
+        resumes at its next step with a fresh optimiser, then the MTP phase and the export run
+        again."""
         st = self.state
         if st["phase"] == "trunk":
             raise SystemExit(f"{self.dir / STATE} is still in its trunk phase (step {st['step']} of "
                              f"{self.tc.total_trunk_steps}); resume it without --extend")
-        self.tc = self.tc.model_copy(update={"extensions": (*self.tc.extensions, ext)})
-        st.update(config=self.tc.model_dump(mode="json"), phase="trunk",
-                  step=self.tc.total_trunk_steps - ext.steps)
+        first = self.tc.total_trunk_steps
+        self.tc = self.tc.model_copy(update={"extensions": (*self.tc.extensions, *exts)})
+        st.update(config=self.tc.model_dump(mode="json"), phase="trunk", step=first)
         st.pop("optim", None)
         self.opt = self._optimizer()
         self.save()
@@ -333,9 +348,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--workers", type=int, default=8, help="data loader processes")
     p.add_argument("--config", help="JSON of TrainConfig fields (first invocation only)")
-    p.add_argument("--extend", help="JSON of an Extension: more trunk steps after the schedule ended "
-                   "(then MTP and export again); once, then resume without it")
+    p.add_argument("--extend", help="JSON of an Extension, or a list of them run in turn: more trunk "
+                   "steps after the schedule ended (then MTP and export again); once, then resume "
+                   "without it")
     p.add_argument("--out", default="checkpoints/flashnext-tiny.safetensors")
+    p.add_argument("--no-export", action="store_true",
+                   help="stop when training is done (phase export is saved); a later invocation "
+                   "without this flag exports, e.g. on another machine")
     args = p.parse_args(argv)
     tc = TrainConfig.model_validate(json.loads(args.config)) if args.config else None
     if args.device.startswith("cuda"):
@@ -345,7 +364,8 @@ def main(argv: list[str] | None = None) -> int:
         torch.backends.cudnn.allow_tf32 = True
     run = Run(Path(args.run_dir), tc, args.device)
     if args.extend:
-        run.extend(Extension.model_validate(json.loads(args.extend)))
+        spec = json.loads(args.extend)
+        run.extend(*(Extension.model_validate(e) for e in (spec if isinstance(spec, list) else [spec])))
     t0 = time.perf_counter()
     finished = run.train(args.max_minutes * 60, workers=args.workers)
     st = run.state
@@ -353,6 +373,9 @@ def main(argv: list[str] | None = None) -> int:
           flush=True)
     if not finished:
         print("not done: run the same command again to resume")
+        return 0
+    if args.no_export:
+        print("training done; export skipped (--no-export): run again without it to export")
         return 0
     from impl.train.export import export
     left = args.max_minutes * 60 - (time.perf_counter() - t0)

@@ -8,6 +8,7 @@ import pytest
 
 from impl.tasks import TASKS
 from impl.tasks.evalsets import EVAL_SETS, content_hash, eval_prompts, generate, samples
+from impl.tasks.mqar import MqarParams
 from impl.tasks.retrieval import BLOCK, RetrievalParams
 from impl.tasks.tokenizer import BOS, END, END_REPEAT, PAD, decode, encode
 from spec.config import ModelConfig
@@ -63,13 +64,25 @@ def test_arithmetic_scoring_reads_the_number_after_the_marks():
         assert len(smp.answer_ids()) <= task.max_new_tokens(EVAL_SETS["arithmetic"].task_params())
 
 
-def test_mqar_answer_is_the_queried_values():
+def test_mqar_answer_is_the_queried_value():
     s = samples("mqar")[3]
-    pairs = dict(p.split("=") for p in s.prompt.split("\n")[0].split(" "))
-    asked = s.prompt.split("\n")[1][2:].split(" ")
-    assert s.answer == " ".join(pairs[k] for k in asked)
+    listed, asked = s.prompt.split("\n")
+    pairs = dict(p.split("=") for p in listed.split(" "))
+    assert asked.startswith("?") and asked.endswith("=")
+    assert s.answer == pairs[asked[1:-1]] and not s.more
     assert TASKS["mqar"].score(s, s.answer_ids()) == 1.0
     assert TASKS["mqar"].score(s, s.answer_ids()[:-2] + [END]) == 0.0
+
+
+def test_mqar_training_turns_follow_their_queries():
+    s = TASKS["mqar"].generate(random.Random(5), MqarParams(pairs=12, queries=4), 0)
+    pairs = dict(p.split("=") for p in s.prompt.split("\n")[0].split(" "))
+    assert len(s.more) == 3
+    asked = [s.prompt.split("\n")[1], *(q.strip("\n") for q, _ in s.more)]
+    assert len(set(asked)) == 4
+    assert [s.answer, *(a for _, a in s.more)] == [pairs[q[1:-1]] for q in asked]
+    ids, taught = s.training_example()
+    assert sum(taught) == 4 * 2 + END_REPEAT  # the four 2-digit answers and the closing END repeats
 
 
 @pytest.mark.parametrize("name", ["retrieval_512", "retrieval_2k", "retrieval_8k"])

@@ -100,3 +100,18 @@ def test_draft_chain_matches_the_engines_one_row_draft_steps(trained_like):
     for a, b in zip(got, ref_steps):
         assert (a - b).abs().max() / b.abs().max() < 3e-2
         assert int(a.argmax()) == int(b.argmax())
+
+
+def test_index_loss_is_zero_not_nan_when_no_row_chooses():
+    """Sequences of at most sink + local + top_k blocks leave the index nothing to choose: its loss
+    is a finite 0 (the training log read NaN there while the -inf scores of non-candidate blocks
+    were multiplied by 0)."""
+    model = TrainModel(TINY, seed=3)
+    model.train()
+    short = torch.randint(4, 256, (3, 5 * TINY.tokens_per_block - 3),
+                          generator=torch.Generator().manual_seed(2))
+    model(short, index_loss=True)
+    losses = [q.index_loss for q in model.qsa_layers()]
+    assert all(bool(torch.isfinite(x)) and float(x) == 0.0 for x in losses)
+    model(torch.randint(4, 256, (2, T), generator=torch.Generator().manual_seed(3)), index_loss=True)
+    assert all(float(q.index_loss) > 0 for q in model.qsa_layers())  # rows past 159 do choose

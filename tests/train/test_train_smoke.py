@@ -126,3 +126,25 @@ def test_an_extension_restarts_the_schedule_and_reruns_mtp(unbroken, tmp_path):
     assert [p for p, _ in seen] == ["trunk"] * 3 + ["mtp"] * 2
     again = Run(tmp_path, None, "cpu")
     assert again.tc.extensions == (ext,) and again.state["phase"] == "export"
+
+
+def test_two_extensions_at_once_with_their_own_data_and_mtp_length(unbroken, tmp_path):
+    from impl.train.train_tiny import Extension
+    run, *_ = unbroken
+    torch.save(run.state | {"model": run.model.state_dict()}, tmp_path / "state.pt")
+    resumed = Run(tmp_path, SMALL, "cpu")
+    dense = Extension(steps=2, lr=1e-3, warmup=1, attention="dense", weights={"mqar": 1.0})
+    sparse = Extension(steps=2, lr=5e-4, warmup=1, weights={"retrieval": 1.0},
+                       retrieval_lengths=(256,), retrieval_queries=8, mtp_steps=1)
+    resumed.extend(dense, sparse)
+    tc = resumed.tc
+    assert (resumed.state["phase"], resumed.state["step"]) == ("trunk", 6)
+    assert tc.extension_at(7) == (6, dense) and tc.extension_at(8) == (8, sparse)
+    assert tc.data_at("trunk", 9).retrieval_lengths == (256,)
+    assert tc.data_at("trunk", 9).retrieval_queries == 8
+    assert tc.data_at("trunk", 7).retrieval_lengths == SMALL.data.retrieval_lengths
+    assert tc.current_mtp_steps == 1 and SMALL.mtp_steps != 1
+    seen = []
+    assert resumed.train(math.inf, on_step=lambda r, e: seen.append((e["phase"], e["task"]))) is True
+    assert seen[:4] == [("trunk", "mqar")] * 2 + [("trunk", "retrieval")] * 2
+    assert [p for p, _ in seen[4:]] == ["mtp"]
