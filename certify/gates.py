@@ -267,9 +267,12 @@ class ReferenceStore:
 
     def add(self, eval_set: str, sha256: str, ref: Reference, overwrite: bool = False) -> bool:
         """Store ``ref``; an existing one with its key is kept unless ``overwrite``. A file of another
-        content hash is replaced (its references no longer apply). Returns whether it was stored."""
+        content hash is replaced, and references of another target are dropped: neither applies
+        again (a target is recorded as the model under test now, e.g. the committed checkpoint's
+        hash, so a reference of a replaced model is dead data). Returns whether it was stored."""
         f = self.files.get(eval_set)
         keep = list(f.references) if f is not None and f.sha256 == sha256 else []
+        keep = [r for r in keep if r.target == ref.target]
         key = (config_key(ref.target), config_key(ref.engine), ref.samples)
         same = [r for r in keep if (config_key(r.target), config_key(r.engine), r.samples) == key]
         if same and not overwrite:

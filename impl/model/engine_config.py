@@ -340,10 +340,11 @@ def _context_reach(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 
 def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
-    from impl.model.ops import FORWARD_OPS, KV_CODEC_OPS, SPECULATION_OPS
+    from impl.model.ops import FORWARD_OPS, INDEX_SHARE_OPS, KV_CODEC_OPS, SPECULATION_OPS
 
-    names = list(FORWARD_OPS) + ([KV_CODEC_OPS[c.kv_cache_dtype]]
-                                 if c.kv_cache_dtype in KV_CODEC_OPS else [])
+    sharing = c.speculative is not None and c.speculative.index_share
+    names = [n for n in FORWARD_OPS if sharing or n not in INDEX_SHARE_OPS]
+    names += [KV_CODEC_OPS[c.kv_cache_dtype]] if c.kv_cache_dtype in KV_CODEC_OPS else []
     if c.speculative is not None:  # the verify-width ops have their own rule
         names += [n for n in SPECULATION_OPS if n not in VERIFY_WIDTH_OPS]
     missing = [n for n in names if n in ctx.catalog.ops

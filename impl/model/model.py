@@ -263,8 +263,9 @@ class Model:
         if shared is None:
             scores = ops.qsa_index_scores(q_index, w_index, seq_ids, positions, table, p,
                                           axes=dict(axes, index_heads=hi, index_dim=di))
-            selected = ops.qsa_select(scores, positions, cfg.top_k_blocks, cfg.sink_blocks,
-                                      cfg.local_blocks, axes=axes)
+            selected, tokens = ops.qsa_topk_expand(scores, positions, rows.context_lens,
+                                                   cfg.top_k_blocks, cfg.sink_blocks,
+                                                   cfg.local_blocks, axes=axes)
         else:
             # IndexShare: rows the trunk has a selection for take it; the others (all -2) score
             # their own. Both ops are row-wise, so running them on the subset changes nothing else.
@@ -277,9 +278,9 @@ class Model:
                                               axes=dict(own_axes, index_heads=hi, index_dim=di))
                 selected[own] = ops.qsa_select(scores, positions[own], cfg.top_k_blocks,
                                                cfg.sink_blocks, cfg.local_blocks, axes=own_axes)
+            tokens = ops.qsa_expand(selected, positions, rows.context_lens, axes=axes)
         if selection is not None and selection.keep:
             selection.kept = selected
-        tokens = ops.qsa_expand(selected, positions, rows.context_lens, axes=axes)
         o = ops.qsa_sparse_gqa(q, gate, tokens, seq_ids, table, p, load_k, load_v,
                                axes=dict(axes, kv_dtype=kv_name, q_heads=hq, kv_heads=hkv,
                                          head_dim=dh))

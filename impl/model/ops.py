@@ -44,8 +44,14 @@ from spec.ops.qsa import TOKENS_PER_BLOCK, selection_width
 FORWARD_OPS: tuple[str, ...] = (
     "rmsnorm", "hc_inject_norm", "hc_first_projection", "hc_pre", "hc_up_projection", "ple_embed",
     "ple_apply", "moe", "logits_cast", "qk_norm_rope", "qsa_kv_append", "qsa_index_store",
-    "qsa_index_scores", "qsa_select", "qsa_expand", "qsa_sparse_gqa", "gdn_conv_prefill",
+    "qsa_index_scores", "qsa_topk_expand", "qsa_select", "qsa_expand", "qsa_sparse_gqa",
+    "gdn_conv_prefill",
     "gdn_conv_update", "gdn_decode", "gdn_prefill")
+# Dispatched by IndexShare passes only: every row expands the shared selection (qsa_expand), and
+# rows handed -2 (no shared selection) score their own (qsa_select; the engine hands none today: its
+# speculative draft rows run passes without sharing). Other passes select and expand in
+# qsa_topk_expand.
+INDEX_SHARE_OPS: tuple[str, ...] = ("qsa_select", "qsa_expand")
 SPECULATION_OPS: tuple[str, ...] = ("gdn_verify", "greedy_verify", "rollback_commit",
                                     "mtp_draft_input")
 KV_CODEC_OPS: dict[str, str] = {"fp8": "kv_fp8", "nvfp4": "kv_nvfp4"}
@@ -235,6 +241,27 @@ class Ops:
         self._reference("qsa_index_scores", **axes)
         return spec_qsa.qsa_index_scores(q_index, w_index, seq_ids, positions, block_table,
                                          planes.block_keys, planes.block_key_valid)
+
+    def qsa_topk_expand(self, scores, positions, context_lens, top_k, sink, local, *, axes: dict):
+        """Rows that score their own blocks: the selection and its tokens in one op (block ids
+        [N, W], tokens [N, 32 W]). A kernel variant gets every index on the scores' device."""
+        ref, impl = self._choose("qsa_topk_expand", **axes)
+        if self.shape_only:
+            selected = _select_shape_only(positions, top_k, sink, local)
+            return selected, torch.empty(selected.shape[0], TOKENS_PER_BLOCK * selected.shape[1],
+                                         dtype=torch.int64, device="meta")
+        if ref:
+            return spec_qsa.qsa_topk_expand(scores, positions, context_lens, top_k, sink, local)
+        dev, width = scores.device, selection_width(top_k, sink, local)
+        selected = torch.empty(scores.shape[0], width, dtype=torch.int64, device=dev)
+        tokens = torch.empty(scores.shape[0], TOKENS_PER_BLOCK * width, dtype=torch.int64,
+                             device=dev)
+        lens = None if context_lens is None else context_lens.to(dev)
+        self._kernel_outputs(impl, {"scores": scores.contiguous(), "positions": positions.to(dev),
+                                    "context_lens": lens},
+                             {"selected": selected, "tokens": tokens},
+                             k=top_k, sink_blocks=sink, local_blocks=local)
+        return selected, tokens
 
     def qsa_select(self, scores, positions, top_k, sink, local, *, axes: dict):
         self._reference("qsa_select", **axes)

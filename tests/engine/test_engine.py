@@ -248,17 +248,23 @@ def test_index_share_reuses_the_trunks_selection(weights, monkeypatch):
     speculative rows past the trunk score their own. Speculation still never changes the tokens."""
     from impl.model.ops import Ops
     seen = []
-    real_expand, real_scores = Ops.qsa_expand, Ops.qsa_index_scores
+    real_expand, real_scores, real_fused = Ops.qsa_expand, Ops.qsa_index_scores, Ops.qsa_topk_expand
 
     def expand(self, selected, positions, context_lens, *, axes):
         seen.append(("expand", selected.clone(), positions.clone()))
         return real_expand(self, selected, positions, context_lens, axes=axes)
+
+    def fused(self, scores, positions, context_lens, *a, axes):  # a pass with no shared selection
+        selected, tokens = real_fused(self, scores, positions, context_lens, *a, axes=axes)
+        seen.append(("expand", selected.clone(), positions.clone()))
+        return selected, tokens
 
     def scores(self, q_index, *a, axes):
         seen.append(("scores", q_index.shape[0], None))
         return real_scores(self, q_index, *a, axes=axes)
     monkeypatch.setattr(Ops, "qsa_expand", expand)
     monkeypatch.setattr(Ops, "qsa_index_scores", scores)
+    monkeypatch.setattr(Ops, "qsa_topk_expand", fused)
     config = EngineConfig(model="tiny", max_batch_size=4, max_num_tokens=40, max_seq_len=MAX_LEN,
                           batch_invariant=True,
                           speculative=SpeculativeConfig(draft_length=3, index_share=True))
@@ -292,12 +298,19 @@ def test_index_share_reuses_the_trunks_selection(weights, monkeypatch):
 def test_forward_ops_list_is_what_the_forward_dispatches(weights):
     """The configuration rule ops_run_on_the_arch reads FORWARD_OPS / SPECULATION_OPS / KV_CODEC_OPS:
     a forward must dispatch exactly those."""
-    from impl.model.ops import FORWARD_OPS, KV_CODEC_OPS, SPECULATION_OPS
+    from impl.model.ops import FORWARD_OPS, INDEX_SHARE_OPS, KV_CODEC_OPS, SPECULATION_OPS
     plain = _engine(weights, kv="fp8", invariant=False)
     plain.generate(_requests(LENGTHS, new=3))
-    assert set(plain.dispatcher.variants_ran()) == set(FORWARD_OPS) | {KV_CODEC_OPS["fp8"]}
+    unshared = set(FORWARD_OPS) - set(INDEX_SHARE_OPS)
+    assert set(plain.dispatcher.variants_ran()) == unshared | {KV_CODEC_OPS["fp8"]}
     spec = _engine(weights, kv="nvfp4", k=2)
     spec.generate(_requests(LENGTHS, new=3))
     ran = set(spec.dispatcher.variants_ran())
-    assert ran == (set(FORWARD_OPS) - {"gdn_decode", "gdn_conv_update"}) | set(SPECULATION_OPS) | {
+    assert ran == (unshared - {"gdn_decode", "gdn_conv_update"}) | set(SPECULATION_OPS) | {
         KV_CODEC_OPS["nvfp4"]}
+    shared = Engine(EngineConfig(model="tiny", max_batch_size=4, max_num_tokens=40,
+                                 max_seq_len=MAX_LEN, speculative=SpeculativeConfig(
+                                     draft_length=2, index_share=True)), weights)
+    shared.generate(_requests(LENGTHS, new=3))
+    # the shared passes expand the trunk's selection; qsa_select serves rows handed -2 (none today)
+    assert "qsa_expand" in INDEX_SHARE_OPS and "qsa_expand" in shared.dispatcher.variants_ran()
