@@ -9,6 +9,7 @@ import torch
 
 from impl.model.ops import Ops
 from spec.ops.mtp import VerifyResult
+from spec.ops import qsa as spec_qsa
 from spec.ops.qsa import TOKENS_PER_BLOCK
 
 
@@ -22,17 +23,31 @@ def _patched(name: str, wrap):
         setattr(Ops, name, original)
 
 
+def _drop_sink(sel: torch.Tensor, positions: torch.Tensor, local: int) -> torch.Tensor:
+    sel = sel.clone()
+    far = (positions.to(sel.device) // TOKENS_PER_BLOCK) >= local
+    sel[far[:, None].expand_as(sel) & (sel == 0)] = -1
+    return sel
+
+
+@contextlib.contextmanager
 def sink_block_dropped():
     """The selection loses the sink block: block 0 leaves every row whose local window does not
-    hold it."""
-    def wrap(orig):
+    hold it, wherever rows select (qsa_topk_expand, and qsa_select for IndexShare's own rows)."""
+    def wrap_fused(orig):
+        def qsa_topk_expand(self, scores, positions, context_lens, top_k, sink, local, *, axes):
+            sel, _ = orig(self, scores, positions, context_lens, top_k, sink, local, axes=axes)
+            sel = _drop_sink(sel, positions, local)
+            return sel, spec_qsa.qsa_expand(sel, positions, context_lens)
+        return qsa_topk_expand
+
+    def wrap_select(orig):
         def qsa_select(self, scores, positions, top_k, sink, local, *, axes):
-            sel = orig(self, scores, positions, top_k, sink, local, axes=axes).clone()
-            far = (positions.to(sel.device) // TOKENS_PER_BLOCK) >= local
-            sel[far[:, None].expand_as(sel) & (sel == 0)] = -1
-            return sel
+            sel = orig(self, scores, positions, top_k, sink, local, axes=axes)
+            return _drop_sink(sel, positions, local)
         return qsa_select
-    return _patched("qsa_select", wrap)
+    with _patched("qsa_topk_expand", wrap_fused), _patched("qsa_select", wrap_select):
+        yield
 
 
 def gdn_state_reset_at_chunks():
