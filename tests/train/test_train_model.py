@@ -112,6 +112,6 @@ def test_index_loss_is_zero_not_nan_when_no_row_chooses():
                           generator=torch.Generator().manual_seed(2))
     model(short, index_loss=True)
     losses = [q.index_loss for q in model.qsa_layers()]
-    assert all(bool(torch.isfinite(x)) and float(x) == 0.0 for x in losses)
+    assert all(bool(torch.isfinite(x)) and float(x.detach()) == 0.0 for x in losses)
     model(torch.randint(4, 256, (2, T), generator=torch.Generator().manual_seed(3)), index_loss=True)
-    assert all(float(q.index_loss) > 0 for q in model.qsa_layers())  # rows past 159 do choose
+    assert all(float(q.index_loss.detach()) > 0 for q in model.qsa_layers())  # rows past 159 choose
