@@ -8,14 +8,14 @@ interleaved form).
     ->  08                      (training turns: ``\n?KE=`` -> ``40``, ``\n?AB=`` -> ``12``, ...)
 
 Keys are two distinct capital letters, values two digits (repeats allowed, so a value says nothing
-about its key; a guess is right 1 time in 100). Each query sits right before its answer: the recall is
-one hop (key -> value), the hop the GDN literature's MQAR measures. Listing the queries first and the values after adds a second hop (the i-th answer -> the
-i-th listed key), which the tiny model's single attention layer cannot chain to the first.
-With 32 pairs a prompt is about 200
-tokens, seven 32-token blocks: more than the sparse attention's fixed window (the
-sink block and the last two blocks) holds, so a value comes back through the gated delta rule's
-key-value state or through an index-selected block. The prompts are also longer than the gates' chunk
-budget, so the recurrent state must cross prefill chunk boundaries intact.
+about its key; a guess is right 1 time in 100). Each query sits right before its answer: the recall
+is one hop (key -> value), the hop the GDN literature's MQAR measures. Listing the queries first and
+the values after adds a second hop (the i-th answer -> the i-th listed key), which the tiny model's
+single attention layer cannot chain to the first. With 32 pairs a prompt is about 200 tokens, seven
+32-token blocks: more than the sparse attention's fixed window (the sink block and the last two
+blocks) holds, so a value comes back through the gated delta rule's key-value state or through an
+index-selected block. The prompts are also longer than the gates' chunk budget, so the recurrent
+state must cross prefill chunk boundaries intact.
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """Training batches: a seeded task mixture, one task per batch, each batch a pure function of
 (seed, phase, step), so a resumed run reads exactly the batches it would have read.
 
-Batches hold about ``tokens`` tokens: many short arithmetic or MQAR examples, or a few long retrieval
-contexts (lengths drawn from ``retrieval_lengths``). Generator parameters vary around the evaluation
-sets' (MQAR 8 to 48 pairs, 1 to 12 queries; retrieval 1 to ``retrieval_queries`` queries a context), and an example whose
-prompt is an evaluation prompt is redrawn.
+Batches hold about ``tokens`` tokens: many short arithmetic or MQAR examples, or a few long
+retrieval contexts (lengths drawn from ``retrieval_lengths``). Generator parameters vary around the
+evaluation sets' (MQAR 8 to 48 pairs, 1 to 12 queries; retrieval 1 to ``retrieval_queries`` queries
+a context), and an example whose prompt is an evaluation prompt is redrawn.
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def _mtp_history(tc) -> str:
     first (extensions appended in one ``--extend`` share one MTP phase, so no more is known here)."""
     if not tc.extensions:
         return ""
-    return f"; continued from the draft layer of earlier MTP phases (the base schedule's: {tc.mtp_steps} steps)"
+    return (f"; continued from the draft layer of earlier MTP phases (the base schedule's: "
+            f"{tc.mtp_steps} steps)")
 
 
 def model_card(path: Path, tc, state, scores: dict, status: str | None = None) -> str:
