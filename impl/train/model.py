@@ -117,10 +117,12 @@ class QSA(nn.Module):
 
     def forward(self, u: torch.Tensor, cfg: ModelConfig, *, attention: str = "sparse",
                 shared: torch.Tensor | None = None, index_loss: bool = False,
+                index_rows: torch.Tensor | None = None,
                 chain: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
                 ) -> torch.Tensor:
         """``chain``: this is draft step j = len(chain) + 1 >= 2 of every row at once (see
-        ``attend_chain``); chain[0] holds step 1's (k, v, block keys), chain[i] step i + 1's."""
+        ``attend_chain``); chain[0] holds step 1's (k, v, block keys), chain[i] step i + 1's.
+        ``index_rows``: per-row weights [B, T] of the index loss (``index_kl``)."""
         B, T, _ = u.shape
         pos = torch.arange(T, device=u.device)
         q, gate, k, v, qI, kI, wI = self.project(u, pos, cfg)
@@ -139,7 +141,8 @@ class QSA(nn.Module):
             o = attend_chain(q, [(c[0], c[1]) for c in chain] + [(k, v)], mask, pos)
         else:
             o = attend(q, k, v, mask)
-        self.index_loss = index_kl(q, k, scores, cand, cfg.top_k_blocks) if index_loss else None
+        self.index_loss = index_kl(q, k, scores, cand, cfg.top_k_blocks, weights=index_rows) \
+            if index_loss else None
         o = o * torch.sigmoid(gate)
         return o.reshape(B, T, -1) @ self.w_o.T
 
@@ -236,9 +239,13 @@ def attend_rect(q, k, v, mask) -> torch.Tensor:
     return o.transpose(1, 2)
 
 
-def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512) -> torch.Tensor:
+def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512,
+             weights: torch.Tensor | None = None) -> torch.Tensor:
     """KL(dense attention's block mass || softmax of index scores) over candidate blocks, averaged
-    over the rows with more than ``top_k`` candidates (the rows where selection chooses)."""
+    over the rows with more than ``top_k`` candidates (the rows where selection chooses); with
+    ``weights`` [B, T], their weighted mean. Weights exist because a plain mean is ruled by filler:
+    in an 8K retrieval context the rows that answer are about 1 % of the rows, and an index that
+    fits the filler rows' diffuse targets can still miss the record block on the rows that read it."""
     B, T, hq, dh = q.shape
     nb = scores.shape[-1]
     rows = cand.sum(-1) > top_k
@@ -263,7 +270,10 @@ def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512) -> torch.Tensor:
         target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
     logq = torch.log_softmax(scores.masked_fill(~cand[None], float("-inf")), -1)
     kl = (target * (torch.log(target.clamp_min(1e-20)) - logq.masked_fill(~cand[None], 0.0))).sum(-1)
-    return kl[:, rows].mean()
+    if weights is None:
+        return kl[:, rows].mean()
+    w = weights * rows[None]
+    return (kl * w).sum() / w.sum().clamp_min(1e-20)
 
 
 class MoE(nn.Module):
@@ -398,15 +408,18 @@ class TrainModel(nn.Module):
     # ------------------------------------------------------------------ passes
 
     def forward(self, ids: torch.Tensor, rows: torch.Tensor | None = None, *,
-                attention: str = "sparse", index_loss: bool = False):
-        """Trunk over ids [B, T]: (logits [B, T, V], hidden m [B, T, C])."""
+                attention: str = "sparse", index_loss: bool = False,
+                index_rows: torch.Tensor | None = None):
+        """Trunk over ids [B, T]: (logits [B, T, V], hidden m [B, T, C]); ``index_rows``: the index
+        loss's row weights [B, T] (see ``index_kl``)."""
         rows = self.ngram_rows(ids).to(ids.device) if rows is None else rows
         x = self.embed[ids]
         e = self.ple_embed(ids, rows, x)
         X = self.streams(x)
         m = x
         for li, layer in enumerate(self.layers):
-            X, m = layer(X, e[:, :, li], self.cfg, attention=attention, index_loss=index_loss)
+            X, m = layer(X, e[:, :, li], self.cfg, attention=attention, index_loss=index_loss,
+                         index_rows=index_rows)
         return self.read_out(m), m
 
     def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, *, attention: str = "sparse",

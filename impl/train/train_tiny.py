@@ -58,6 +58,9 @@ class Extension(BaseModel):
     retrieval_queries: int | None = Field(None, ge=1, le=8, description="default: the run's")
     mtp_steps: int | None = Field(None, ge=0, description="the MTP phase after this extension "
                                   "(default: the run's); the draft layer continues from its weights")
+    index_answer_weight: float = Field(0.0, ge=0, description="extra weight of the answer rows "
+                                       "(rows whose next token is taught) in the index loss: row "
+                                       "weight 1 + this; 0 keeps the plain mean over rows")
 
     def data(self, base: DataConfig) -> DataConfig:
         fields = ("weights", "retrieval_lengths", "retrieval_queries")
@@ -137,7 +140,12 @@ def trunk_loss(model: TrainModel, batch: Batch, rows: torch.Tensor, tc: TrainCon
         attention = seg[1].attention
     else:
         attention = "dense" if step < tc.dense_frac * tc.trunk_steps else "sparse"
-    logits, _ = model(batch.ids, rows, attention=attention, index_loss=True)
+    index_rows = None
+    if seg is not None and seg[1].index_answer_weight > 0:
+        # row t answers when token t + 1 is taught
+        answers = F.pad(batch.taught[:, 1:], (0, 1)).float()
+        index_rows = 1.0 + seg[1].index_answer_weight * answers
+    logits, _ = model(batch.ids, rows, attention=attention, index_loss=True, index_rows=index_rows)
     target = batch.ids[:, 1:]
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
                          reduction="none").view_as(target)

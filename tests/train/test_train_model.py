@@ -115,3 +115,27 @@ def test_index_loss_is_zero_not_nan_when_no_row_chooses():
     assert all(bool(torch.isfinite(x)) and float(x.detach()) == 0.0 for x in losses)
     model(torch.randint(4, 256, (2, T), generator=torch.Generator().manual_seed(3)), index_loss=True)
     assert all(float(q.index_loss.detach()) > 0 for q in model.qsa_layers())  # rows past 159 choose
+
+
+def test_index_loss_row_weights_reweight_the_mean_over_choosing_rows():
+    """Uniform weights give the plain mean; weight on one row gives that row's KL alone; rows where
+    selection does not choose count for nothing whatever their weight."""
+    model = TrainModel(TINY, seed=3)
+    model.train()
+    ids = torch.randint(4, 256, (2, T), generator=torch.Generator().manual_seed(4))
+
+    def loss(weights):
+        model(ids, index_loss=True, index_rows=weights)
+        return torch.stack([q.index_loss.detach() for q in model.qsa_layers()])
+
+    plain = loss(None)
+    assert torch.allclose(loss(torch.full((2, T), 3.0)), plain, rtol=1e-6)
+    one_row, other_row = torch.zeros(2, T), torch.zeros(2, T)
+    one_row[1, T - 1] = 1.0
+    other_row[0, 170] = 1.0
+    a, b = loss(one_row), loss(other_row)
+    assert not torch.allclose(a, b) and not torch.allclose(a, plain)
+    # a row before position 160 has at most top_k candidates: weighting it alone leaves nothing
+    early = torch.zeros(2, T)
+    early[:, :150] = 1.0
+    assert torch.all(loss(early) == 0)

@@ -148,3 +148,26 @@ def test_two_extensions_at_once_with_their_own_data_and_mtp_length(unbroken, tmp
     assert resumed.train(math.inf, on_step=lambda r, e: seen.append((e["phase"], e["task"]))) is True
     assert seen[:4] == [("trunk", "mqar")] * 2 + [("trunk", "retrieval")] * 2
     assert [p for p, _ in seen[4:]] == ["mtp"]
+
+
+def test_answer_weighted_index_loss_moves_the_index_loss():
+    """An extension's ``index_answer_weight`` weights the answer rows of the index loss: the same
+    batch at the same weights reads another index loss than with the plain mean."""
+    from impl.train.data import make_batch
+    from impl.train.model import TrainModel
+    from impl.train.train_tiny import Extension, trunk_loss
+    from spec.config import ModelConfig
+    model = TrainModel(ModelConfig.tiny(), seed=SMALL.seed)
+    base = SMALL.model_copy(update={"extensions": (
+        Extension(steps=1, lr=1e-3, weights={"retrieval": 1.0}, retrieval_lengths=(512,)),)})
+    weighted = SMALL.model_copy(update={"extensions": (
+        Extension(steps=1, lr=1e-3, weights={"retrieval": 1.0}, retrieval_lengths=(512,),
+                  index_answer_weight=100.0),)})
+    step = SMALL.trunk_steps
+    batch = make_batch(SMALL.seed, "trunk", step, base.data_at("trunk", step))
+    assert batch.task == "retrieval"
+    model.train()
+    _, plain = trunk_loss(model, batch, None, base, step)
+    _, answered = trunk_loss(model, batch, None, weighted, step)
+    assert plain["ce"] == answered["ce"]
+    assert plain["index"] > 0 and answered["index"] > 0 and plain["index"] != answered["index"]
