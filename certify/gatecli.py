@@ -7,7 +7,8 @@
 
 ``run`` shows a progress bar per engine run, prints each check's verdict with its threshold and minimum
 detectable effect, and writes ``reports/gates/<gate>.json`` and ``reports/gates/summary.md``. Exit 1 when
-a gate failed, lacked a reference, or a file had errors; a skipped gate (the target cannot run here,
+a gate failed, lacked a reference, or a file had errors (a --record run whose checks lacked references
+and recorded them exits 0: its status is `recorded`, not a pass); a skipped gate (the target cannot run here,
 e.g. no checkpoint) is reported with its reason and is not a failure.
 """
 
@@ -62,7 +63,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 bar.console.print(f"  recorded references: {', '.join(result.recorded)}", soft_wrap=True)
             if result.status != "skipped" and not args.no_report:
                 write_report(result, settings.reports)
-            bad |= result.status in ("failed", "no reference")
+            bad |= result.status in ("failed", "no reference")  # recorded: what --record asked for
     for path in store.save():
         print(f"wrote {path.relative_to(settings.gates.parent.parent)}")
     return 1 if bad else 0

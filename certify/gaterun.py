@@ -4,9 +4,10 @@ every check compares what was measured with its reference (certify.gatestats).
 
 Statuses: a check ``passed`` / ``failed``, or has ``no reference`` (none recorded for its
 configuration: that is not a pass; ``--record`` writes one from this run, to be reviewed and
-committed). A gate is ``skipped`` when the target says it cannot run here (the reason is kept),
-``passed`` when every check passed, ``no reference`` when none failed but one lacked its reference,
-else ``failed``.
+committed), or is ``recorded`` (it had none and this run's measurement became its reference: not a
+pass either, the next run checks against it). A gate is ``skipped`` when the target says it cannot
+run here (the reason is kept), ``failed`` when a check failed, else ``no reference`` when a check
+lacks its reference, else ``recorded`` when this run recorded one, else ``passed``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +42,7 @@ RunProgress = Callable[[str, int, int], None]   # (run label, done, total)
 class CheckResult:
     kind: str
     task: str
-    status: str                      # passed | failed | no reference
+    status: str                      # passed | failed | no reference | recorded
     measured: float | None = None
     reference: float | None = None
     threshold: float | None = None
@@ -208,12 +209,29 @@ def run_gate(gate: GateFile, target: GateTarget, store: ReferenceStore, *,
                             arch=arch, recorded=now)
             if store.add(run.eval_set, sets[run.eval_set].sha256, ref, overwrite=overwrite):
                 recorded.append(f"{task} ({label})")
+        checks = [_now_recorded(r) if r.status == "no reference" and _has_refs(c, ref_of) else r
+                  for c, r in zip(gate.checks, checks)]
     statuses = {c.status for c in checks}
-    status = ("failed" if "failed" in statuses else "no reference" if "no reference" in statuses
-              else "passed")
+    status = next((s for s in ("failed", "no reference", "recorded") if s in statuses), "passed")
     return GateResult(gate.gate, gate.tier, status, checks=checks, runs=records,
                       seconds=time.perf_counter() - t0, arch=arch, target=ident, date=utc_now(),
                       recorded=recorded)
+
+
+def _has_refs(check, ref_of) -> bool:
+    """Whether every reference ``check`` reads exists (a paired check reads two)."""
+    if ref_of("gate", check.task) is None:
+        return False
+    return isinstance(check, (AccuracyCheck, AcceptanceCheck)) or \
+        ref_of("against:" + config_key(check.against), check.task) is not None
+
+
+def _now_recorded(c: CheckResult) -> CheckResult:
+    detail = c.detail.replace("no reference for this configuration",
+                              "recorded as its reference by this run")
+    detail = detail.replace("no reference pair for these configurations",
+                            "recorded as their references by this run")
+    return replace(c, status="recorded", detail=detail)
 
 
 # ------------------------------------------------------------------------------ reports

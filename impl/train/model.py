@@ -128,6 +128,7 @@ class QSA(nn.Module):
         q, gate, k, v, qI, kI, wI = self.project(u, pos, cfg)
         kbar = block_keys(kI) if not chain else chain[0][2]
         self.kv = (k, v, kbar)
+        self.q = q  # for diagnostics (dense_block_mass); autograd keeps it anyway
         scores = index_scores(qI, wI, kbar, pos)
         window, cand = window_and_candidates(pos, T, cfg)
         if shared is not None:
@@ -239,6 +240,25 @@ def attend_rect(q, k, v, mask) -> torch.Tensor:
     return o.transpose(1, 2)
 
 
+@torch.no_grad()
+def dense_block_mass(q, k, nb: int, chunk: int = 512) -> torch.Tensor:
+    """The causal dense attention's probability mass per block, heads averaged: [B, T, nb]."""
+    B, T, hq, dh = q.shape
+    rep = hq // k.shape[2]
+    kk = k.detach().repeat_interleave(rep, 2).transpose(1, 2)         # [B, H, T, D]
+    masses = []
+    for lo in range(0, T, chunk):
+        qc = q[:, lo:lo + chunk].detach().transpose(1, 2)
+        logits = qc @ kk.transpose(-1, -2) / math.sqrt(dh)
+        t = torch.arange(lo, lo + qc.shape[2], device=q.device)
+        logits = logits.masked_fill(torch.arange(T, device=q.device)[None, :] > t[:, None],
+                                    float("-inf"))
+        p = torch.softmax(logits, -1).mean(1)                          # [B, Tc, T]
+        p = F.pad(p, (0, nb * BLOCK - T)).reshape(B, -1, nb, BLOCK).sum(-1)
+        masses.append(p)
+    return torch.cat(masses, 1)
+
+
 def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512,
              weights: torch.Tensor | None = None) -> torch.Tensor:
     """KL(dense attention's block mass || softmax of index scores) over candidate blocks, averaged
@@ -246,27 +266,14 @@ def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512,
     ``weights`` [B, T], their weighted mean. Weights exist because a plain mean is ruled by filler:
     in an 8K retrieval context the rows that answer are about 1 % of the rows, and an index that
     fits the filler rows' diffuse targets can still miss the record block on the rows that read it."""
-    B, T, hq, dh = q.shape
     nb = scores.shape[-1]
     rows = cand.sum(-1) > top_k
     if not bool(rows.any()):
         # no row chooses (short sequences): nothing to learn. A constant, not scores.sum() * 0, which
         # is NaN where scores holds the -inf of non-candidate blocks
         return scores.new_zeros(())
-    rep = hq // k.shape[2]
-    kk = k.detach().repeat_interleave(rep, 2).transpose(1, 2)         # [B, H, T, D]
-    masses = []
     with torch.no_grad():
-        for lo in range(0, T, chunk):
-            qc = q[:, lo:lo + chunk].detach().transpose(1, 2)
-            logits = qc @ kk.transpose(-1, -2) / math.sqrt(dh)
-            t = torch.arange(lo, lo + qc.shape[2], device=q.device)
-            logits = logits.masked_fill(torch.arange(T, device=q.device)[None, :] > t[:, None],
-                                        float("-inf"))
-            p = torch.softmax(logits, -1).mean(1)                      # [B, Tc, T]
-            p = F.pad(p, (0, nb * BLOCK - T)).reshape(B, -1, nb, BLOCK).sum(-1)
-            masses.append(p)
-        mass = torch.cat(masses, 1).masked_fill(~cand[None], 0.0)
+        mass = dense_block_mass(q, k, nb, chunk).masked_fill(~cand[None], 0.0)
         target = mass / mass.sum(-1, keepdim=True).clamp_min(1e-20)
     logq = torch.log_softmax(scores.masked_fill(~cand[None], float("-inf")), -1)
     kl = (target * (torch.log(target.clamp_min(1e-20)) - logq.masked_fill(~cand[None], 0.0))).sum(-1)

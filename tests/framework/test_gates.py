@@ -134,8 +134,9 @@ def _gate(name="g", text=GATE) -> GateFile:
 def test_no_reference_is_not_a_pass_and_record_then_run_passes(tmp_path):
     target, store = FakeTarget(), ReferenceStore(tmp_path / "refs")
     first = run_gate(_gate(), target, store, record=True)
-    assert first.status == "no reference"
-    assert {c.status for c in first.checks} == {"no reference"}
+    assert first.status == "recorded"
+    assert {c.status for c in first.checks} == {"recorded"}
+    assert all("recorded as" in c.detail for c in first.checks)
     assert sorted(first.recorded) == ["easy (against:{})", "easy (gate)"]
     written = store.save()
     assert [p.name for p in written] == ["easy.yaml"]
@@ -231,7 +232,38 @@ def test_report_and_summary(tmp_path):
     path = write_report(res, tmp_path / "gates")
     data = json.loads(path.read_text())
     assert data["gate"] == "g" and len(data["runs"]) == 2 and data["seconds"] >= 0
+    assert "| `g` | premerge | recorded |" in (tmp_path / "gates" / "summary.md").read_text()
+    res = run_gate(_gate(), FakeTarget(), ReferenceStore(tmp_path / "other"))
+    write_report(res, tmp_path / "gates")
     assert "| `g` | premerge | no reference |" in (tmp_path / "gates" / "summary.md").read_text()
+
+
+def test_recording_beside_an_existing_reference_keeps_the_check():
+    """A check whose reference existed before a --record run is checked as usual (and fails where it
+    fails); only the checks that lacked theirs read ``recorded``."""
+    store = ReferenceStore(Path("/nonexistent-refs"))
+    run_gate(_gate(), FakeTarget(), store, record=True)          # every reference of the easy task
+    with_hard = GATE.replace("  easy: {{eval_set: easy, samples: 40}}\n",
+                             "  easy: {{eval_set: easy, samples: 40}}\n"
+                             "  hard: {{eval_set: hard, samples: 20}}\n")
+    assert with_hard != GATE
+    with_hard += "  - {{kind: accuracy, task: hard}}\n"
+
+    class Worse(FakeTarget):
+        def evaluate(self, engine, eval_set, samples, progress=None):
+            res = super().evaluate(engine, eval_set, samples, progress)
+            if FakeEngine.model_validate(dict(engine)).draft == 0:
+                return res
+            return TaskResult([0.0 if i % 2 else s for i, s in enumerate(res.scores)],
+                              res.accepted, res.seconds)
+
+    second = run_gate(_gate(text=with_hard), Worse(), store, record=True)
+    status = [(c.kind, c.task, c.status) for c in second.checks]
+    assert status == [("accuracy", "easy", "failed"), ("acceptance_length", "easy", "passed"),
+                      ("paired_delta", "easy", "failed"), ("accuracy", "hard", "recorded")], \
+        second.summary()
+    assert second.status == "failed"
+    assert second.recorded == ["hard (gate)"]
 
 
 def test_the_project_gate_files_load_against_the_target():

@@ -58,7 +58,7 @@ def test_a_gate_runs_end_to_end_records_and_rechecks(random_target, tmp_path):
                    {"kind": "paired_delta", "task": "mqar"}]})
     store = ReferenceStore(tmp_path / "refs")
     first = run_gate(gate, random_target, store, record=True)
-    assert first.status == "no reference" and len(first.recorded) == 2
+    assert first.status == "recorded" and len(first.recorded) == 2
     assert store.save()
     again = run_gate(gate, random_target, ReferenceStore(tmp_path / "refs"))
     assert again.status == "passed", again.summary()
