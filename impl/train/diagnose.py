@@ -9,7 +9,8 @@ answer tells, on every answer row (the rows that predict the value's tokens and 
 - ``target_peak``: among the row's candidate blocks, the dense attention's block mass (the index
   loss's target, ``dense_block_mass``) is largest at the record's block.
 
-A sample whose record lies in the sink block (always attended) has no candidate to choose.
+A sample whose record lies in an always-attended block (the sink) has no candidate to choose: its
+target-peak column reads "(in the window)".
 
     python -m impl.train.diagnose --run-dir runs/tiny --sets retrieval_2k retrieval_8k -n 10
 """
@@ -33,13 +34,13 @@ class SampleDiagnosis:
     block: int
     correct: bool
     selected: tuple[tuple[bool, ...], ...]   # [QSA layer][answer row]
-    target_peak: tuple[bool, ...]            # [answer row], first QSA layer; () for the sink block
+    target_peak: tuple[bool, ...]            # [answer row], first QSA layer; () in the window
 
     def line(self) -> str:
         def marks(xs):
             return "".join("x" if x else "." for x in xs)
         sel = " ".join(marks(s) for s in self.selected)
-        peak = marks(self.target_peak) if self.target_peak else "(sink)"
+        peak = marks(self.target_peak) if self.target_peak else "(in the window)"
         return f"block {self.block:4d}  {'ok  ' if self.correct else 'FAIL'}  selected {sel}  " \
                f"target peak {peak}"
 
