@@ -1,6 +1,7 @@
 """``certify gates``: run, list and check the gates (certify/gates/*.yaml).
 
-    certify gates run NAME [NAME ...]      # or --tier premerge; --record writes missing references
+    certify gates run NAME [NAME ...]      # or --tier premerge; --record writes missing references;
+                                           # --jobs N runs the gates in N worker processes
     certify gates list                     # every gate, its tier, checks and last measured cost
     certify gates check                    # load every gate file against the target; errors name
                                            # file, line and field
@@ -18,7 +19,7 @@ import argparse
 import json
 import sys
 
-from certify.gaterun import run_gate, write_report
+from certify.gaterun import run_gate, run_gates_in_jobs, write_report
 from certify.gates import ReferenceStore, gate_settings, load_gates, load_target
 from certify.schema import TIERS
 
@@ -36,6 +37,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
     store = ReferenceStore(settings.references)
     for e in [*loaded.errors, *store.errors]:
         print(f"error: {e}", file=sys.stderr)
+    if args.jobs < 1:
+        print(f"error: --jobs must be at least 1, got {args.jobs}", file=sys.stderr)
+        return 1
     names = list(args.names or [])
     unknown = [n for n in names if n not in loaded.gates]
     if unknown:
@@ -46,27 +50,55 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if not chosen:
         print("no gate selected", file=sys.stderr)
         return 1
-    bad = bool(loaded.errors or store.errors)
+    bad = [bool(loaded.errors or store.errors)]
     with _progress() as bar:
-        tasks: dict[str, int] = {}
 
-        def progress(label: str, done: int, total: int) -> None:
-            if label not in tasks:
-                tasks[label] = bar.add_task(label, total=total)
-            bar.update(tasks[label], completed=done, total=total)
-
-        for gate in chosen:
-            result = run_gate(gate, target, store, progress=progress, record=args.record,
-                              overwrite=args.overwrite)
+        def finish(result) -> None:
             bar.console.print(result.summary(), soft_wrap=True)
             if result.recorded:
                 bar.console.print(f"  recorded references: {', '.join(result.recorded)}", soft_wrap=True)
             if result.status != "skipped" and not args.no_report:
                 write_report(result, settings.reports)
-            bad |= result.status in ("failed", "no reference")  # recorded: what --record asked for
+            bad[0] |= result.status in ("failed", "no reference")  # recorded: what --record asked for
+
+        if args.jobs > 1 and len(chosen) > 1:
+            # longest first (last measured cost): the jobs then end close together
+            order = sorted(chosen, key=lambda g: (-_last_seconds(settings, g.gate), g.gate))
+            task = bar.add_task(f"{len(order)} gates in {args.jobs} jobs", total=len(order))
+
+            def done(result) -> None:
+                finish(result)
+                bar.advance(task)
+
+            def error(name: str, e: BaseException) -> None:
+                bar.console.print(f"error: gate {name} raised {type(e).__name__}: {e}", soft_wrap=True)
+                bad[0] = True
+                bar.advance(task)
+
+            run_gates_in_jobs(order, settings.target, store, args.jobs, record=args.record,
+                              overwrite=args.overwrite, on_result=done, on_error=error)
+        else:
+            tasks: dict[str, int] = {}
+
+            def progress(label: str, done: int, total: int) -> None:
+                if label not in tasks:
+                    tasks[label] = bar.add_task(label, total=total)
+                bar.update(tasks[label], completed=done, total=total)
+
+            for gate in chosen:
+                finish(run_gate(gate, target, store, progress=progress, record=args.record,
+                                overwrite=args.overwrite))
     for path in store.save():
         print(f"wrote {path.relative_to(settings.gates.parent.parent)}")
-    return 1 if bad else 0
+    return 1 if bad[0] else 0
+
+
+def _last_seconds(settings, name: str) -> float:
+    """The gate's last measured cost; a gate never measured sorts first (inf)."""
+    path = settings.reports / f"{name}.json"
+    if not path.is_file():
+        return float("inf")
+    return float(json.loads(path.read_text()).get("seconds") or 0.0)
 
 
 def _last_cost(settings, name: str) -> str:
@@ -110,6 +142,9 @@ def add_parser(sub) -> None:
                    help="write a reference for every configuration run that has none")
     r.add_argument("--overwrite", action="store_true", help="with --record: replace existing ones")
     r.add_argument("--no-report", action="store_true", help="do not write reports/gates/")
+    r.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
+                   help="run the gates in N worker processes, longest first, each with 1/N of the "
+                        "cores (OMP_NUM_THREADS, unless set); their references are merged here")
     r.set_defaults(fn=_cmd_run)
     ls = gsub.add_parser("list", help="every gate with its tier, checks and last measured cost")
     ls.set_defaults(fn=_cmd_list)

@@ -13,8 +13,12 @@ lacks its reference, else ``recorded`` when this run recorded one, else ``passed
 from __future__ import annotations
 
 import json
+import multiprocessing
+import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -234,6 +238,82 @@ def _now_recorded(c: CheckResult) -> CheckResult:
     return replace(c, status="recorded", detail=detail)
 
 
+# ------------------------------------------------------------------------------ parallel jobs
+
+
+Added = list[tuple[str, str, Reference]]   # (eval set, its content hash, reference) a job stored
+
+
+def _run_in_job(gate: GateFile, target_spec: str, references: Path, record: bool,
+                overwrite: bool) -> tuple[GateResult, Added]:
+    """One gate in a worker process: its own target and a store read from disk at the start. The
+    references it records are returned for the parent's store, the one that is saved."""
+    from certify.gates import load_target
+    store = ReferenceStore(references)
+    added: Added = []
+    store_add = store.add
+
+    def add(eval_set: str, sha256: str, ref: Reference, overwrite: bool = False) -> bool:
+        stored = store_add(eval_set, sha256, ref, overwrite=overwrite)
+        if stored:
+            added.append((eval_set, sha256, ref))
+        return stored
+
+    store.add = add  # type: ignore[method-assign]
+    return run_gate(gate, load_target(target_spec), store, record=record, overwrite=overwrite), added
+
+
+@contextmanager
+def _threads_per_job(jobs: int):
+    """Each of ``jobs`` processes gets an equal share of the cores (OMP_NUM_THREADS, read by the
+    numeric libraries at import), unless the caller set it; oversubscribed BLAS threads cost more
+    than the parallelism gains."""
+    share = str(max(1, (os.cpu_count() or 1) // jobs))
+    saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
+    for k, v in saved.items():
+        if v is None:
+            os.environ[k] = share
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+
+
+def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceStore, jobs: int, *,
+                      record: bool = False, overwrite: bool = False,
+                      on_result: Callable[[GateResult], None] | None = None,
+                      on_error: Callable[[str, BaseException], None] | None = None
+                      ) -> list[GateResult]:
+    """Run ``gates`` in ``jobs`` worker processes (started fresh: nothing of this process's state
+    is shared), in the given order (put the longest first), reporting each result as it ends. The
+    references the jobs record are added to ``store`` here, in the order the jobs end (the caller
+    saves it), so parallel recording cannot lose one: a job reads the references on disk when it
+    starts and does not see those another job records in the same run; where two jobs record the
+    same configuration, the first to end is kept (``overwrite``: the last). A job that raises is
+    reported to ``on_error`` and the others go on."""
+    results: list[GateResult] = []
+    ctx = multiprocessing.get_context("spawn")
+    with _threads_per_job(jobs), ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        futures = {pool.submit(_run_in_job, g, target_spec, store.dir, record, overwrite): g
+                   for g in gates}
+        for fut in as_completed(futures):
+            try:
+                result, added = fut.result()
+            except Exception as e:  # reported per gate; the other jobs go on
+                if on_error is None:
+                    raise
+                on_error(futures[fut].gate, e)
+                continue
+            for eval_set, sha256, ref in added:
+                store.add(eval_set, sha256, ref, overwrite=overwrite)
+            results.append(result)
+            if on_result:
+                on_result(result)
+    return results
+
+
 # ------------------------------------------------------------------------------ reports
 
 
@@ -264,4 +344,5 @@ def write_summary(reports_dir: Path) -> Path:
     return out
 
 
-__all__ = ["CheckResult", "RunRecord", "GateResult", "run_gate", "write_report", "write_summary"]
+__all__ = ["CheckResult", "RunRecord", "GateResult", "run_gate", "run_gates_in_jobs", "write_report",
+           "write_summary"]

@@ -266,6 +266,86 @@ def test_recording_beside_an_existing_reference_keeps_the_check():
     assert second.recorded == ["hard (gate)"]
 
 
+class RaisesOnDraft3(FakeTarget):
+    """A target whose engine breaks on one configuration (a job of the parallel runner)."""
+
+    def evaluate(self, engine, eval_set, samples, progress=None):
+        if FakeEngine.model_validate(dict(engine)).draft == 3:
+            raise RuntimeError("engine broke on draft 3")
+        return super().evaluate(engine, eval_set, samples, progress)
+
+
+def _three_gates() -> list[GateFile]:
+    lossy = GATE.replace("{draft: 2}", "{draft: 3, storage: lossy}")
+    hard = GATE.replace("eval_set: easy, samples: 40", "eval_set: hard, samples: 20")
+    return [_gate("a"), _gate("b", lossy), _gate("c", hard)]
+
+
+def _ref_keys(store: ReferenceStore) -> set:
+    """What a reference says (timestamps and timings left out)."""
+    return {(name, json.dumps(r.engine, sort_keys=True), r.samples, str(r.scores), r.accuracy,
+             r.acceptance_length) for name, f in store.files.items() for r in f.references}
+
+
+def test_gates_in_jobs_record_and_check_as_one_process_does(tmp_path):
+    from certify.gaterun import run_gates_in_jobs
+    spec = f"{FakeTarget.__module__}:FakeTarget"
+    one = ReferenceStore(tmp_path / "one")
+    sequential = {g.gate: run_gate(g, FakeTarget(), one, record=True) for g in _three_gates()}
+    many = ReferenceStore(tmp_path / "many")
+    seen: list[str] = []
+    parallel = run_gates_in_jobs(_three_gates(), spec, many, 2, record=True,
+                                 on_result=lambda r: seen.append(r.gate))
+    assert sorted(seen) == ["a", "b", "c"] and [r.gate for r in parallel] == seen
+    for r in parallel:
+        assert [(c.kind, c.status) for c in r.checks] == \
+            [(c.kind, c.status) for c in sequential[r.gate].checks], r.summary()
+    # the jobs' references all reach the parent's store: the same set as one process records
+    assert _ref_keys(many) == _ref_keys(one) and len(_ref_keys(one)) == 5
+    many.save()
+    again = run_gates_in_jobs(_three_gates(), spec, ReferenceStore(tmp_path / "many"), 3)
+    assert sorted((r.gate, r.status) for r in again) == [("a", "passed"), ("b", "passed"),
+                                                         ("c", "passed")]
+
+
+def test_a_gate_job_that_raises_fails_alone(tmp_path):
+    from certify.gaterun import run_gates_in_jobs
+    errors: list[tuple[str, str]] = []
+    results = run_gates_in_jobs(_three_gates(), f"{FakeTarget.__module__}:RaisesOnDraft3",
+                                ReferenceStore(tmp_path / "refs"), 2, record=True,
+                                on_error=lambda g, e: errors.append((g, str(e))))
+    assert errors == [("b", "engine broke on draft 3")]
+    assert sorted((r.gate, r.status) for r in results) == [("a", "recorded"), ("c", "recorded")]
+
+
+def test_the_command_runs_gates_in_jobs_and_saves_every_reference(tmp_path):
+    """``certify gates run --jobs 2`` in a project of the fake target: a recording run exits 0 and
+    saves the references of every job; the next run passes every gate; --jobs 0 is refused."""
+    (tmp_path / "pyproject.toml").write_text(
+        f'[tool.certify]\ngate_target = "{FakeTarget.__module__}:FakeTarget"\n')
+    gates = tmp_path / "certify" / "gates"
+    gates.mkdir(parents=True)
+    for g in _three_gates():
+        text = {"a": GATE, "b": GATE.replace("{draft: 2}", "{draft: 3, storage: lossy}"),
+                "c": GATE.replace("eval_set: easy, samples: 40", "eval_set: hard, samples: 20")}
+        (gates / f"{g.gate}.yaml").write_text(text[g.gate].format(name=g.gate))
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+
+    def certify(*args):
+        return subprocess.run([sys.executable, "-m", "certify.cli", "gates", "run", *args],
+                              cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+
+    first = certify("--jobs", "2", "--record", "a", "b", "c")
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert first.stdout.count("RECORDED") == 3
+    assert sorted(p.name for p in (gates / "references").glob("*.yaml")) == ["easy.yaml", "hard.yaml"]
+    second = certify("--jobs", "2", "a", "b", "c")
+    assert second.returncode == 0 and second.stdout.count("PASSED") == 3, second.stdout
+    assert "| `c` | premerge | passed |" in (tmp_path / "reports/gates/summary.md").read_text()
+    refused = certify("--jobs", "0", "a")
+    assert refused.returncode == 1 and "--jobs must be at least 1" in refused.stderr
+
+
 def test_the_project_gate_files_load_against_the_target():
     settings = gate_settings(str(ROOT))
     loaded = load_gates(settings.gates, load_target(settings.target))

@@ -103,6 +103,47 @@ def test_export_writes_a_checkpoint_and_card_the_gate_target_runs(unbroken, tmp_
     assert len(res.scores) == 2 and res.accepted == []
 
 
+def test_complete_adds_what_the_export_left_out_and_keeps_the_file(unbroken, tmp_path):
+    """``complete_card`` measures the sets an export's budget left out on the same weights and
+    rewrites only the card; the export's own figures win where both exist."""
+    from impl.train.export import complete_card, export
+
+    run, *_ = unbroken
+    out = tmp_path / "tiny.safetensors"
+    export(run, out, counts={"mqar": 2}, ablation={}, status="interim")
+    exported = out.read_bytes()
+    gained = complete_card(run, out, {"mqar": 1, "retrieval_512": 1}, {"mqar": 2})
+    assert out.read_bytes() == exported
+    assert gained == {"mqar": ["accuracy_without_index_selection"],
+                      "retrieval_512": ["samples", "accuracy", "acceptance_length_k3",
+                                        "acceptance_length_k7"]}
+    card = out.with_suffix(".md").read_text()
+    assert "**Status: interim**" in card                    # kept from the card it rewrites
+    assert "| `mqar` | 2 |" in card and "| `retrieval_512` | 1 |" in card
+    assert "Measured after the export" in card and "`retrieval_512`: n, accuracy" in card
+
+
+def test_complete_refuses_a_checkpoint_of_other_weights(unbroken, tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from impl.train.export import complete_card, export
+
+    run, *_ = unbroken
+    out = tmp_path / "tiny.safetensors"
+    export(run, out, counts={}, ablation={})
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (a safetensors handle)
+    name = min(k for k, t in tensors.items() if t.is_floating_point())
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(out), metadata=meta)
+    card = out.with_suffix(".md").read_text()
+    with pytest.raises(ValueError, match=f"not exported from the training state.*{name}"):
+        complete_card(run, out, {"mqar": 1}, {})
+    assert out.with_suffix(".md").read_text() == card
+
+
 def test_an_extension_restarts_the_schedule_and_reruns_mtp(unbroken, tmp_path):
     from impl.train.train_tiny import Extension, _lr
     run, *_ = unbroken
