@@ -215,6 +215,10 @@ def _completed_text(completed: dict[str, list[str]] | None) -> str:
             f"`python -m impl.train.export complete`): {parts}.\n")
 
 
+# the card's rows in the evaluation sets' order, whichever measurement wrote a row first
+_SET_ORDER = {name: i for i, name in enumerate(CARD_SAMPLES)}
+
+
 def model_card(path: Path, tc, state, scores: dict, status: str | None = None,
                completed: dict[str, list[str]] | None = None) -> str:
     def cell(r, key, fmt):
@@ -223,7 +227,8 @@ def model_card(path: Path, tc, state, scores: dict, status: str | None = None,
     rows = "\n".join(
         f"| `{n}` | {r.get('samples', '-')} | {cell(r, 'accuracy', '.1f')} | "
         f"{cell(r, 'acceptance_length_k3', '.2f')} | {cell(r, 'acceptance_length_k7', '.2f')} | "
-        f"{cell(r, 'accuracy_without_index_selection', '.1f')} |" for n, r in scores.items())
+        f"{cell(r, 'accuracy_without_index_selection', '.1f')} |" for n, r in sorted(
+            scores.items(), key=lambda kv: _SET_ORDER.get(kv[0], len(_SET_ORDER))))
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
     status_text = f"\n**Status: {status}**\n" if status else ""
     return f"""# Model card: `{path.name}`

@@ -123,6 +123,17 @@ def test_complete_adds_what_the_export_left_out_and_keeps_the_file(unbroken, tmp
     assert "Measured after the export" in card and "`retrieval_512`: n, accuracy" in card
 
 
+def test_card_rows_follow_the_evaluation_sets_order():
+    from pathlib import Path
+
+    from impl.train.export import model_card
+    card = model_card(Path("x.safetensors"), SMALL, {"elapsed": 60.0},
+                      {"retrieval_2k": {"accuracy_without_index_selection": 20.0},
+                       "mqar": {"samples": 4, "accuracy": 75.0}, "arithmetic": {"samples": 2}})
+    rows = [line.split("`")[1] for line in card.splitlines() if line.startswith("| `")]
+    assert rows == ["arithmetic", "mqar", "retrieval_2k"]
+
+
 def test_complete_refuses_a_checkpoint_of_other_weights(unbroken, tmp_path):
     from safetensors import safe_open
     from safetensors.torch import save_file
