@@ -60,7 +60,8 @@ def diagnose(model: TrainModel, sample: Sample) -> SampleDiagnosis:
     _, cand = window_and_candidates(torch.arange(T), T, model.cfg)
     if bool(cand[rows, block].all()):
         q0 = layers[0]
-        mass = dense_block_mass(q0.q, q0.kv[0], -(-T // BLOCK))[0, rows]
+        mass = dense_block_mass(q0.q[:, P - 1:P - 1 + len(answer)], q0.kv[0], -(-T // BLOCK),
+                                first=P - 1)[0]
         mass = mass.masked_fill(~cand[rows], -1.0)
         peak = tuple(bool(x) for x in (mass.argmax(-1) == block))
     return SampleDiagnosis(block, correct, selected, peak)

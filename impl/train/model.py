@@ -241,16 +241,19 @@ def attend_rect(q, k, v, mask) -> torch.Tensor:
 
 
 @torch.no_grad()
-def dense_block_mass(q, k, nb: int, chunk: int = 512) -> torch.Tensor:
-    """The causal dense attention's probability mass per block, heads averaged: [B, T, nb]."""
-    B, T, hq, dh = q.shape
+def dense_block_mass(q, k, nb: int, chunk: int = 512, first: int = 0) -> torch.Tensor:
+    """The causal dense attention's probability mass per block, heads averaged: [B, Tq, nb] for the
+    query rows ``q`` [B, Tq, H, D] at positions first .. first + Tq - 1 over all of ``k``'s T keys
+    (a few rows cost a few rows, not the whole T x T)."""
+    B, Tq, hq, dh = q.shape
+    T = k.shape[1]
     rep = hq // k.shape[2]
     kk = k.detach().repeat_interleave(rep, 2).transpose(1, 2)         # [B, H, T, D]
     masses = []
-    for lo in range(0, T, chunk):
+    for lo in range(0, Tq, chunk):
         qc = q[:, lo:lo + chunk].detach().transpose(1, 2)
         logits = qc @ kk.transpose(-1, -2) / math.sqrt(dh)
-        t = torch.arange(lo, lo + qc.shape[2], device=q.device)
+        t = torch.arange(first + lo, first + lo + qc.shape[2], device=q.device)
         logits = logits.masked_fill(torch.arange(T, device=q.device)[None, :] > t[:, None],
                                     float("-inf"))
         p = torch.softmax(logits, -1).mean(1)                          # [B, Tc, T]

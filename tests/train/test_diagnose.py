@@ -38,3 +38,15 @@ def test_selection_column_follows_top_k():
     none = diagnose(model, sample)
     assert all(not any(s) for s in none.selected)
     assert not none.correct  # an untrained model does not recall a 10-digit value
+
+
+def test_dense_block_mass_of_a_row_slice_is_that_slice_of_the_whole():
+    """diagnose reads the answer rows only (``first``): the same numbers as the full T x T pass."""
+    from impl.train.model import BLOCK, dense_block_mass
+    torch.manual_seed(1)
+    T, nb = 300, -(-300 // BLOCK)
+    q, k = torch.randn(1, T, 4, 16), torch.randn(1, T, 2, 16)
+    whole = dense_block_mass(q, k, nb, chunk=128)
+    part = dense_block_mass(q[:, 200:211], k, nb, chunk=4, first=200)
+    torch.testing.assert_close(part, whole[:, 200:211], rtol=0, atol=1e-6)
+    assert not torch.allclose(dense_block_mass(q[:, 200:211], k, nb), whole[:, 200:211])  # first=0
