@@ -151,3 +151,23 @@ def test_unsupported_load_is_refused() -> None:
     with pytest.raises(ValueError, match="unsupported KV cache"):
         _run(tsg.triton_decode, dict(case.inputs, load=lambda parts, dtype: parts[0].to(dtype)))
     assert qsa.TOKENS_PER_BLOCK == tsg.TPB
+
+
+@pytest.mark.premerge
+@pytest.mark.parametrize("kv", ["fp8", "nvfp4"])
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_q_far_outside_fp16_range_keeps_the_band(name: str, kv: str) -> None:
+    """Over fp8 / nvfp4 pages the dots are fp16, and q (bf16) is scaled per row into fp16's range.
+    Rows scaled by 2^-40 (below fp16's subnormals) and 2^40 (past its largest, 65504) stay within
+    the band of the float64 spec; without the per-row scaling the first would attend uniformly (all
+    logits 0) and the second would overflow to NaN. The scaling is a power of two, so the spec's own
+    q is exactly the scaled bf16 q and the reference sharpens with it (2^40 makes each row one-hot)."""
+    case = _case("decode", 4, 4, 300, kv, (4, 2, 32), 11)
+    q = case.inputs["q"].float()
+    factor = torch.tensor([2.0**-40, 2.0**40, 1.0, 2.0**-40])[:, None, None]
+    inputs = dict(case.inputs, q=(q * factor).bfloat16())
+    assert torch.equal(inputs["q"].float() / factor, q)  # the scaling itself is exact in bf16
+    ref = run_spec(qsa_sparse_gqa, type(case)(inputs, case.outputs), reference=True)["out"]
+    out = _run(VARIANTS[name], inputs)
+    assert not out.isnan().any()
+    assert tolerance("out", out, ref, *BANDS[kv]).passed

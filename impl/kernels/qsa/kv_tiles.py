@@ -1,16 +1,26 @@
-"""Reading K/V tiles of the paged QSA cache in Triton: bf16, fp8 (e4m3) and nvfp4 pools, dequantised
-in-kernel to exactly the bf16 values spec/ops/kv_storage.py's loads produce.
+"""Reading K/V tiles of the paged QSA cache in Triton: bf16, fp8 (e4m3) and nvfp4 pools.
 
 Formats (spec/ops/kv_storage.py, MATH.md "KV storage"):
-- bf16: one pool [P, 32, n_kv, D] bf16, read as is.
-- fp8: one pool [P, 32, n_kv, D] e4m3, passed as its uint8 bytes; e4m3 -> bf16 is exact.
+- bf16: one pool [P, 32, n_kv, D] bf16, read as is (``load_kv_tile``), for bf16 dots.
+- fp8: one pool [P, 32, n_kv, D] e4m3, passed as its uint8 bytes.
 - nvfp4: pools (uint8 codes [P, 32, n_kv, D/2], even element in the low nibble; e4m3 scales
-  [P, 32, n_kv, D/16]) and the fp32 global scale gs: value = (code * sf) * gs rounded to fp32, then
-  to bf16 (``round_to_bf16``: the same rounding on the interpreter and the GPU).
+  [P, 32, n_kv, D/16]) and the fp32 global scale gs.
 
-Both decoders build the value from its bits through fp16 (whose subnormals cover e4m3's and e2m1's),
-then scale by a power of two: exact integer work, no lookup table, no fp8 conversion instruction (the
-interpreter has none), and the same on every stack.
+The narrow formats are read as exact fp16 values for fp16 dots (``load_kv_tile_f16``): an e4m3 value
+is an fp16 value, and so is code * sf of nvfp4 (at most 6 significant bits, between 2^-10 and 2688);
+nvfp4's gs is left to the caller, which applies it to the logits and to the output in fp32. So an
+nvfp4 element enters the attention as the exact product (code * sf) * gs, without the spec's
+rounding of each element to fp32 and bf16: the kernels are closer to the float64 reference than the
+spec's own low-precision path, and the page reader is two to three times cheaper (MATH.md's band
+covers both). fp16 rather than bf16 because each conversion instruction costs several bytes' worth
+of memory time on sm_90: e4m3 -> fp16 is one hardware conversion for two elements, while e4m3 ->
+bf16 needs three.
+
+On the GPU (``HW``): e4m3 through the hardware conversion (``tl.float8e4nv``); e2m1 through a byte
+permutation (``prmt``) that looks the fp16 high byte of each of 4 magnitudes up in an 8-entry table,
+sign bits moved by a second permutation, and one packed fp16 multiply by the block scale (exact).
+In the interpreter, which has neither, the same values are built from their bits
+(``e4m3_to_f32``, ``e2m1_to_f32``): integer work and exact fp32 products, the same on every stack.
 """
 
 from __future__ import annotations
@@ -22,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from impl.kernels.triton_support import round_to_bf16
 from spec.ops.kv_storage import FP8_DTYPE, NVFP4_BLOCK, fp8_load, nvfp4_load
 
 FMT_BF16, FMT_FP8, FMT_NVFP4 = 0, 1, 2
@@ -53,29 +62,81 @@ def e2m1_to_f32(nib):
 
 
 @triton.jit
-def load_kv_tile(pool, pool_sf, gs_ptr, slot, valid, FMT: tl.constexpr, D: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
-    """The bf16 tile [BLOCK_N, D] of slots ``slot`` (int64 [BLOCK_N]: (page * 32 + offset) * n_kv +
-    kv head); rows where ``valid`` is False read nothing and hold zeros."""
-    if FMT == 0:
-        d = tl.arange(0, D)
-        t = tl.load(pool + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0)
-        return t.to(tl.bfloat16)
-    elif FMT == 1:
+def load_kv_tile_bf16(pool, slot, valid, D: tl.constexpr):
+    """The bf16 tile [BLOCK_N, D] of a bf16 pool at slots ``slot`` (int64 [BLOCK_N]: (page * 32 +
+    offset) * n_kv + kv head); rows where ``valid`` is False read nothing and hold zeros."""
+    d = tl.arange(0, D)
+    return tl.load(pool + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
+
+
+# The fp16 bits of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x3800 ... 0x4600 with a zero low
+# byte: their high bytes, in order, are the 8-byte table {0x3E3C3800, 0x46444240} that ``prmt``
+# indexes with a nibble. $4 holds 4 packed bytes (8 codes: byte i = hi_i << 4 | lo_i); $5 / $6 the
+# fp16 block scales of bytes 0-1 / 2-3; $0 / $1 the fp16 values lo_0 lo_1 / lo_2 lo_3 (even elements),
+# $2 / $3 hi_0 hi_1 / hi_2 hi_3 (odd elements). Per 2 bytes: mask the sign bits off (the nibbles of
+# the low half-word are then the selector), look the 4 high bytes up, spread them into two fp16x2
+# words (low bytes zero), take each sign from bit 7 of a byte of (w << 4) (low nibbles) or of w (high
+# nibbles) with prmt's sign-replicating mode, merge it (lop3 0xF8: a | (b & c)), multiply by the scale
+# (code * sf is exact in fp16).
+E2M1_TIMES_SF_ASM = tl.constexpr("""{
+.reg .b32 x, s, t, v, g;
+shl.b32 x, $4, 4;
+and.b32 s, $4, 0x7777;
+prmt.b32 t, 0x3E3C3800, 0x46444240, s;
+prmt.b32 v, t, 0, 0x2404;
+prmt.b32 g, x, $4, 0x9988;
+lop3.b32 v, v, g, 0x80008000, 0xF8;
+mul.rn.f16x2 $0, v, $5;
+prmt.b32 v, t, 0, 0x3414;
+prmt.b32 g, x, $4, 0xDDCC;
+lop3.b32 v, v, g, 0x80008000, 0xF8;
+mul.rn.f16x2 $2, v, $5;
+shr.b32 s, $4, 16;
+and.b32 s, s, 0x7777;
+prmt.b32 t, 0x3E3C3800, 0x46444240, s;
+prmt.b32 v, t, 0, 0x2404;
+prmt.b32 g, x, $4, 0xBBAA;
+lop3.b32 v, v, g, 0x80008000, 0xF8;
+mul.rn.f16x2 $1, v, $6;
+prmt.b32 v, t, 0, 0x3414;
+prmt.b32 g, x, $4, 0xFFEE;
+lop3.b32 v, v, g, 0x80008000, 0xF8;
+mul.rn.f16x2 $3, v, $6;
+}""")
+
+
+@triton.jit
+def load_kv_tile_f16(pool, pool_sf, slot, valid, FMT: tl.constexpr, D: tl.constexpr,
+                     BLOCK_N: tl.constexpr, HW: tl.constexpr):
+    """The fp16 tile [BLOCK_N, D] of an fp8 (FMT 1) or nvfp4 (FMT 2) pool, exactly: the e4m3 value, or
+    code * sf (nvfp4's gs is the caller's). Slots and ``valid`` as ``load_kv_tile_bf16``. ``HW``: the
+    GPU's conversion instructions; otherwise the bit decoders (the interpreter)."""
+    if FMT == 1:
         d = tl.arange(0, D)
         c = tl.load(pool + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0)
-        return e4m3_to_f32(c).to(tl.bfloat16)  # exact: e4m3 values are bf16 values
+        if HW:
+            return c.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+        else:
+            return e4m3_to_f32(c).to(tl.float16)
     else:
-        j = tl.arange(0, D // 2)
-        packed = tl.load(pool + slot[:, None] * (D // 2) + j[None, :], mask=valid[:, None], other=0)
+        # [N, D/16, 8] bytes: the 8 bytes of one 16-element scale block on the last axis, so the
+        # block's scale broadcasts along it
+        gi = tl.arange(0, D // 16)
+        j = tl.arange(0, 8)
+        packed = tl.load(pool + slot[:, None, None] * (D // 2) + gi[None, :, None] * 8
+                         + j[None, None, :], mask=valid[:, None, None], other=0)
+        sf = tl.load(pool_sf + slot[:, None] * (D // 16) + gi[None, :], mask=valid[:, None], other=0)
+        if HW:
+            sf16 = tl.broadcast_to(sf.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
+                                   (BLOCK_N, D // 16, 8))
+            lo, hi = tl.inline_asm_elementwise(E2M1_TIMES_SF_ASM, "=r,=r,=r,=r,r,r,r", [packed, sf16],
+                                               dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+        else:
+            sfx = e4m3_to_f32(sf)[:, :, None]
+            lo = (e2m1_to_f32(packed & 0xF) * sfx).to(tl.float16)  # exact: <= 6 significant bits
+            hi = (e2m1_to_f32(packed >> 4) * sfx).to(tl.float16)
         # element 2j is the low nibble, 2j + 1 the high one: join on a last axis of 2, flatten
-        codes = tl.reshape(tl.join(packed & 0xF, packed >> 4), (BLOCK_N, D))
-        b = tl.arange(0, D // 16)
-        sf = tl.load(pool_sf + slot[:, None] * (D // 16) + b[None, :], mask=valid[:, None], other=0)
-        sfx = tl.reshape(tl.broadcast_to(e4m3_to_f32(sf)[:, :, None], (BLOCK_N, D // 16, 16)),
-                         (BLOCK_N, D))
-        # (code * sf) is exact in fp32; the product with gs rounds once in fp32, then to bf16.
-        return round_to_bf16((e2m1_to_f32(codes) * sfx) * tl.load(gs_ptr)).to(tl.bfloat16)
+        return tl.reshape(tl.join(lo, hi), (BLOCK_N, D))
 
 
 @triton.jit

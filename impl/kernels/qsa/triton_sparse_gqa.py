@@ -3,7 +3,8 @@
 Two variants, both reading K/V through the block table exactly as the spec's ``slot_of`` and
 dequantising bf16 / fp8 / nvfp4 pages in-kernel (impl/kernels/qsa/kv_tiles.py):
 
-- ``triton_decode`` (decode rows): split-K. Program (row, KV head, split) runs an online softmax over
+- ``triton_decode`` (decode rows): a first pass turns each selected token into its page slot (page * 32
+  + offset); then split-K. Program (row, KV head, split) runs an online softmax over
   its slice of the row's token list for all q heads of the KV head's group at once (the group is the M
   dimension of the dots), so each K/V tile is read once per group; it writes an unnormalised partial
   (o, running max, running sum). A second small kernel combines the splits per (row, KV head) and
@@ -13,12 +14,22 @@ dequantising bf16 / fp8 / nvfp4 pages in-kernel (impl/kernels/qsa/kv_tiles.py):
   each K/V tile read once for the group, with a per-row multiplicity (0 = the row did not select the
   token, 2 = listed twice, which the spec attends twice) that masks and weights p.
 
-Numerics, as the spec: q, K, V are bf16 values (exact bf16 operands of the tensor-core dots, fp32
-accumulation, so q . k is fp32-accurate); logits * scale, max-subtracted exp and the sums in fp32; p is
-kept fp32-accurate by splitting it into two bf16 operands (hi + lo, 16 significant bits; the third piece
-would be 2^-17 of p, far below the bands); o = acc / l rounded to bf16, then o * sigmoid(gate) in fp32
-and one bf16 rounding (``round_to_bf16``, the same on interpreter and GPU). A row with no token
-outputs zeros. The kernels are generic in heads and head_dim (powers of two >= 16 for head_dim).
+Numerics. bf16 pages: q, K, V are bf16 values, exact operands of bf16 tensor-core dots with fp32
+accumulation, so q . k is fp32-accurate. fp8 / nvfp4 pages: K and V are read as exact fp16 values
+(kv_tiles.load_kv_tile_f16; nvfp4's gs multiplies the logits and the output in fp32), and the dots are
+fp16: each row of q is scaled by a power of two so that its largest element lies in [2^14, 2^15), which
+keeps every element exactly unless it is below 2^-31 of the row's largest (fp16 subnormals: rounded to
+a multiple of 2^-39 of it, far below the fp32 accumulation's own error); the logits take the factor
+back. Then, for every format: logits * scale, max-subtracted exp and the sums in fp32; p kept
+fp32-accurate by splitting it into two operands of the dots' type (bf16: hi + lo, 16 significant bits;
+fp16: 22 bits, or within 2^-25 absolute where a piece falls below fp16's normal range); o = acc / l
+rounded to bf16, then o * sigmoid(gate) in fp32 and one bf16 rounding (``round_to_bf16``, the same on
+interpreter and GPU). A row with no token outputs zeros. The kernels are generic in heads and head_dim
+(powers of two >= 16 for head_dim).
+
+Launch shapes (``_DECODE_SHAPE``) were chosen on the H200 (bench/qsa_sparse_gqa.py, docs/gpu.md):
+64-token tiles, with Triton's software pipeline (2 stages, cp.async) for bf16 and fp8 pages; nvfp4 pages
+run faster unpipelined.
 """
 
 from __future__ import annotations
@@ -30,7 +41,8 @@ import torch
 import triton
 import triton.language as tl
 
-from impl.kernels.qsa.kv_tiles import KvFormat, load_kv_tile, slots_of
+from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4, KvFormat, load_kv_tile_bf16, \
+    load_kv_tile_f16, slots_of
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
 
 TPB = 32
@@ -39,8 +51,9 @@ _NEG = tl.constexpr(-1.0e30)  # running-max start: finite, so an all-masked tile
 
 @triton.jit
 def _bdot(a, b, BF16_DOT: tl.constexpr):
-    """a @ b of two bf16 tensors with exact products and fp32 accumulation: a bf16 tensor-core dot
-    when compiled; through fp32 in the interpreter, which multiplies bf16 tensors as raw integers."""
+    """a @ b of two bf16 (or two fp16) tensors with exact products and fp32 accumulation: a
+    tensor-core dot when compiled; through fp32 in the interpreter, which multiplies bf16 tensors as
+    raw integers."""
     if BF16_DOT:
         return tl.dot(a, b)
     else:
@@ -48,20 +61,58 @@ def _bdot(a, b, BF16_DOT: tl.constexpr):
 
 
 @triton.jit
-def _softmax_pv_step(qt, kt, vt, live, weight, m_i, l_i, acc, scale, BF16_DOT: tl.constexpr):
-    """One online-softmax step over a K/V tile: logits of live (M, N) pairs, p weighted by the
-    token's multiplicity, acc rescaled and accumulated with p split into two bf16 operands."""
-    s = _bdot(qt, tl.trans(kt), BF16_DOT) * scale
+def _q_operand(qf, scale, F16: tl.constexpr):
+    """q tile (fp32 values of bf16) -> the dots' operand and the per-row factor of the logits.
+    bf16: q as is, factor ``scale``. fp16: each row times 2^(14 - e), e the exponent of its largest
+    |q| (exact in fp32, then in fp16 but for elements below 2^-31 of that largest), factor
+    scale * 2^(e - 14) (exponents clamped to the normal range: a zero row stays zero)."""
+    if F16:
+        qmax = tl.max(tl.abs(qf), 1)
+        e = ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+        up = (tl.minimum(tl.maximum(141 - e, 1), 254) << 23).to(tl.float32, bitcast=True)
+        down = (tl.minimum(tl.maximum(113 + e, 1), 254) << 23).to(tl.float32, bitcast=True)
+        return (qf * up[:, None]).to(tl.float16), down * scale
+    else:
+        return qf.to(tl.bfloat16), tl.zeros([qf.shape[0]], tl.float32) + scale
+
+
+@triton.jit
+def _split_p(p, F16: tl.constexpr):
+    """p (fp32) as two operands of the dots' type whose sum is p to 2^-22 (fp16) / 2^-17 (bf16)
+    relative: hi, then the remainder (the subtraction is exact)."""
+    if F16:
+        hi = p.to(tl.float16)
+        return hi, (p - hi.to(tl.float32)).to(tl.float16)
+    else:
+        hi = round_to_bf16(p)
+        return hi.to(tl.bfloat16), round_to_bf16(p - hi).to(tl.bfloat16)
+
+
+@triton.jit
+def _softmax_pv_step(qt, kt, vt, live, weight, m_i, l_i, acc, s_scale, BF16_DOT: tl.constexpr,
+                     F16: tl.constexpr):
+    """One online-softmax step over a K/V tile: logits of live (M, N) pairs (the dot times the row
+    factor ``s_scale`` [M]), p weighted by the token's multiplicity, acc rescaled and accumulated
+    with p split into two operands."""
+    s = _bdot(qt, tl.trans(kt), BF16_DOT) * s_scale[:, None]
     s = tl.where(live, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None]) * weight
     l_i = l_i * alpha + tl.sum(p, 1)
-    p_hi = round_to_bf16(p)
-    p_lo = round_to_bf16(p - p_hi)  # the subtraction is exact
-    acc = acc * alpha[:, None] + _bdot(p_hi.to(tl.bfloat16), vt, BF16_DOT) \
-        + _bdot(p_lo.to(tl.bfloat16), vt, BF16_DOT)
+    p_hi, p_lo = _split_p(p, F16)
+    acc = acc * alpha[:, None] + _bdot(p_hi, vt, BF16_DOT) + _bdot(p_lo, vt, BF16_DOT)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _load_kv(pool, pool_sf, slot, valid, FMT: tl.constexpr, D: tl.constexpr, BLOCK_N: tl.constexpr,
+             HW: tl.constexpr):
+    """A K or V tile in the dots' type: bf16 for bf16 pages, exact fp16 for fp8 / nvfp4 pages."""
+    if FMT == 0:
+        return load_kv_tile_bf16(pool, slot, valid, D)
+    else:
+        return load_kv_tile_f16(pool, pool_sf, slot, valid, FMT, D, BLOCK_N, HW)
 
 
 @triton.jit
@@ -78,11 +129,25 @@ def _gate_store(o, gate, out, offs, mask):
 # ---------------------------------------------------------------------------------------------------
 
 @triton.jit
-def _decode_split_kernel(q, tokens, seq_ids, block_table, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
-                         part_o, part_ml, scale, W, table_w, tiles_per_split,
+def _token_slots_kernel(tokens, seq_ids, block_table, token_slots, W, table_w, BLOCK: tl.constexpr):
+    """token_slots[row, i] = page * 32 + offset of tokens[row, i] (``slots_of`` without the KV head),
+    -1 where it reads nothing. One pass before the split kernel, so that its loop waits on one load
+    (this slot) before the K/V loads instead of two (the token, then its page): measured 10 % off the
+    bf16 decode step and 25 % off the fp8 one on the H200."""
+    row = tl.program_id(0).to(tl.int64)
+    n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    tok = tl.load(tokens + row * W + n, mask=n < W, other=-1).to(tl.int64)
+    seq = tl.load(seq_ids + row).to(tl.int64)
+    slot, valid = slots_of(tok, seq, block_table, table_w, 0, 1, tok >= 0)
+    tl.store(token_slots + row * W + n, tl.where(valid, slot, -1).to(tl.int32), mask=n < W)
+
+
+@triton.jit
+def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
+                         part_o, part_ml, scale, W, tiles_per_split,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
-                         BF16_DOT: tl.constexpr):
+                         BF16_DOT: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -90,27 +155,30 @@ def _decode_split_kernel(q, tokens, seq_ids, block_table, k_pool, k_sf, k_gs, v_
     g = tl.arange(0, G_PAD)
     gm = g < G
     d = tl.arange(0, D)
-    qt = tl.load(q + (row * HQ + h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
-    qt = qt.to(tl.bfloat16)
-    seq = tl.load(seq_ids + row).to(tl.int64)
+    qf = tl.load(q + (row * HQ + h * G + g)[:, None] * D + d[None, :], mask=gm[:, None], other=0.0)
+    qt, s_scale = _q_operand(qf.to(tl.float32), scale, FMT != 0)
+    if FMT == 2:
+        s_scale = s_scale * tl.load(k_gs)
     m_i = tl.full([G_PAD], _NEG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     # int32 loop bounds and token offsets (W < 2^31 / BLOCK_N): an int64 induction variable feeding
-    # n, tok and the slot masks makes triton 3.6's remove-layout-conversions pass emit an arith.select
-    # whose condition and result layouts differ (make_ttgir fails on sm_90); triton_rows, whose loop
-    # is int32, compiles. Offsets are widened to int64 by row * W below.
+    # n and the slot masks makes triton 3.6's remove-layout-conversions pass emit an arith.select
+    # whose condition and result layouts differ (make_ttgir fails on sm_90). Offsets are widened to
+    # int64 by row * W below. No branch in the body (a tile of padding reads nothing through its
+    # masks), so the software pipeliner can take the loop.
     first = tl.program_id(2) * tiles_per_split
-    for t in range(first, first + tiles_per_split):
+    for t in tl.range(first, first + tiles_per_split, num_stages=STAGES):
         n = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        tok = tl.load(tokens + row * W + n, mask=n < W, other=-1).to(tl.int64)
-        # a tile of padding only (the tail of a short row) costs neither bytes nor dots
-        if tl.max(tok, 0) >= 0:
-            slot, valid = slots_of(tok, seq, block_table, table_w, h, HKV, tok >= 0)
-            kt = load_kv_tile(k_pool, k_sf, k_gs, slot, valid, FMT, D, BLOCK_N)
-            vt = load_kv_tile(v_pool, v_sf, v_gs, slot, valid, FMT, D, BLOCK_N)
-            m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, valid[None, :], 1.0, m_i, l_i, acc,
-                                             scale, BF16_DOT)
+        ts = tl.load(token_slots + row * W + n, mask=n < W, other=-1).to(tl.int64)
+        valid = ts >= 0
+        slot = tl.where(valid, ts * HKV + h, 0)
+        kt = _load_kv(k_pool, k_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
+        vt = _load_kv(v_pool, v_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
+        m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, valid[None, :], 1.0, m_i, l_i, acc, s_scale,
+                                         BF16_DOT, FMT != 0)
+    if FMT == 2:
+        acc = acc * tl.load(v_gs)
     base = (row * HKV + h) * n_splits + split
     tl.store(part_o + (base * G + g)[:, None] * D + d[None, :], acc, mask=gm[:, None])
     tl.store(part_ml + (base * 2) * G + g, m_i, mask=gm)
@@ -158,14 +226,19 @@ def _check(q, gate, tokens, seq_ids, block_table, out):
         raise ValueError("q, gate, tokens, seq_ids and out disagree on the rows")
 
 
-def _default_splits(rows: int, n_kv: int, tiles: int, device: torch.device) -> int:
-    """Splits per (row, KV head): enough programs for ~4 per SM on a GPU (2 in the interpreter, which
-    still exercises the combine), never more splits than tiles."""
+# Decode launch shape per page format on a GPU: (tokens a tile, warps, pipeline stages, programs per
+# SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, docs/gpu.md).
+_DECODE_SHAPE = {FMT_BF16: (64, 4, 2, 2), FMT_FP8: (64, 4, 2, 4), FMT_NVFP4: (64, 4, 1, 2)}
+
+
+def _default_splits(rows: int, n_kv: int, tiles: int, device: torch.device, per_sm: int = 4) -> int:
+    """Splits per (row, KV head): enough programs for ``per_sm`` per SM on a GPU (2 in the
+    interpreter, which still exercises the combine), never more splits than tiles."""
     if INTERPRETING or device.type != "cuda":
         target = 2
     else:
         sms = torch.cuda.get_device_properties(device).multi_processor_count
-        target = math.ceil(4 * sms / max(1, rows * n_kv))
+        target = math.ceil(per_sm * sms / max(1, rows * n_kv))
     return max(1, min(tiles, target))
 
 
@@ -194,21 +267,27 @@ def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq
     kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
     if n == 0:
         return
+    if kf.pool.shape[0] * TPB >= 2**31:
+        raise ValueError("triton_decode keeps page * 32 + offset in int32: at most 2^26 pages")
     g = hq // n_kv
     g_pad = max(16, triton.next_power_of_2(g))  # the dots' M is at least 16
     w = tokens.shape[1]
-    block_n = block_n or (64 if INTERPRETING else 32)
+    shape_n, warps, stages, per_sm = _DECODE_SHAPE[kf.fmt]
+    block_n = block_n or (64 if INTERPRETING else shape_n)
     tiles = max(1, triton.cdiv(w, block_n))
-    splits = num_splits or _default_splits(n, n_kv, tiles, q.device)
+    splits = num_splits or _default_splits(n, n_kv, tiles, q.device, per_sm)
     per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, per_split)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
+    token_slots = torch.empty(n, w, dtype=torch.int32, device=q.device)
+    _token_slots_kernel[(n, triton.cdiv(w, 1024))](tokens, seq_ids, block_table, token_slots, w,
+                                                   block_table.shape[1], BLOCK=1024, num_warps=4)
     part_o = torch.empty(n * n_kv * splits * g * d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(n * n_kv * splits * 2 * g, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(n, n_kv, splits)](
-        q, tokens, seq_ids, block_table, *kf.args(), *vf.args(), part_o, part_ml, scale, w,
-        block_table.shape[1], per_split, HQ=hq, HKV=n_kv, G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n,
-        FMT=kf.fmt, BF16_DOT=not INTERPRETING, num_warps=4)
+        q, token_slots, *kf.args(), *vf.args(), part_o, part_ml, scale, w, per_split, HQ=hq,
+        HKV=n_kv, G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, FMT=kf.fmt, BF16_DOT=not INTERPRETING,
+        STAGES=stages, num_warps=warps)
     _decode_combine_kernel[(n, n_kv)](part_o, part_ml, gate, out, splits, HQ=hq, HKV=n_kv, G=g,
                                       G_PAD=g_pad, D=d, num_warps=4)
 
@@ -232,7 +311,10 @@ def _rows_kernel(q, gate, out, tile_rows, tile_seq, union_tok, union_cnt, union_
     live_m = (row >= 0) & (gi < G)
     d = tl.arange(0, D)
     q_offs = (tl.where(live_m, row, 0) * HQ + h * G + gi)[:, None] * D + d[None, :]
-    qt = tl.load(q + q_offs, mask=live_m[:, None], other=0.0).to(tl.bfloat16)
+    qf = tl.load(q + q_offs, mask=live_m[:, None], other=0.0)
+    qt, s_scale = _q_operand(qf.to(tl.float32), scale, FMT != 0)
+    if FMT == 2:
+        s_scale = s_scale * tl.load(k_gs)
     seq = tl.load(tile_seq + tile).to(tl.int64)
     n_u = tl.load(union_len + tile)
     m_i = tl.full([R * G_PAD], _NEG, tl.float32)
@@ -246,10 +328,13 @@ def _rows_kernel(q, gate, out, tile_rows, tile_seq, union_tok, union_cnt, union_
         # multiplicity of each union token in each row (0: not selected by that row)
         cnt = tl.load(union_cnt + (tile * R + r)[:, None] * U + n[None, :],
                       mask=live_m[:, None] & inb[None, :], other=0).to(tl.float32)
-        kt = load_kv_tile(k_pool, k_sf, k_gs, slot, valid, FMT, D, BLOCK_N)
-        vt = load_kv_tile(v_pool, v_sf, v_gs, slot, valid, FMT, D, BLOCK_N)
+        kt = _load_kv(k_pool, k_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
+        vt = _load_kv(v_pool, v_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
         live = (cnt > 0) & valid[None, :]
-        m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, live, cnt, m_i, l_i, acc, scale, BF16_DOT)
+        m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, live, cnt, m_i, l_i, acc, s_scale, BF16_DOT,
+                                         FMT != 0)
+    if FMT == 2:
+        acc = acc * tl.load(v_gs)
     o = tl.where(l_i[:, None] > 0, acc / tl.where(l_i > 0, l_i, 1.0)[:, None], 0.0)
     _gate_store(o, gate, out, q_offs, live_m[:, None])
 
@@ -303,7 +388,7 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
                 scale: float | None = None, *, out: torch.Tensor, rows_per_tile: int = 4,
                 block_n: int | None = None) -> None:
     """Context / verify / mixed rows: same contract as ``triton_decode``; rows of one request share
-    each K/V tile read (``rows_per_tile`` rows a program)."""
+    each K/V tile read (``rows_per_tile`` rows a program; at most 2 over nvfp4 pages)."""
     _check(q, gate, tokens, seq_ids, block_table, out)
     n, hq, d = q.shape
     kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
@@ -311,6 +396,11 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
         return
     g = hq // n_kv
     r = triton.next_power_of_2(rows_per_tile)
+    if kf.fmt == FMT_NVFP4:
+        # at most 2 rows (M <= 32) over nvfp4 pages: at M = 64 triton 3.6's OptimizeDotOperands pass
+        # fails on the prmt-decoded operand (tools/sm90_compile_check.py), on every stack alike so
+        # that the CPU certifies the GPU's tiling
+        r = min(r, 2)
     g_pad = max(triton.next_power_of_2(g), triton.cdiv(16, r))  # the dots' M = r * g_pad >= 16
     tile_rows, tile_seq, union, cnt, union_len = row_tiles(tokens, seq_ids, r)
     block_n = block_n or (64 if INTERPRETING else 32)
