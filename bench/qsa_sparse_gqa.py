@@ -7,7 +7,11 @@ It writes ``qsa_sparse_gqa.md`` (date, GPU, versions) into DIR (default reports/
 the bytes of the selected K and V actually read (plus nvfp4 block scales) over the device-to-device
 copy bandwidth measured in the same run (bench/bench_common.py's copy_bandwidth). Timings are medians
 of CUDA-graph replays after a check against the float64 spec on a subset of rows.
-``--smoke`` runs tiny shapes on the CPU (Triton's interpreter) and writes nothing.
+``--smoke`` runs tiny shapes on the CPU (Triton's interpreter) and writes nothing. ``--shapes`` also
+times the decode kernel under a grid of launch shapes (tokens a tile, warps, pipeline stages, programs
+per SM) for each format and writes ``qsa_sparse_gqa_shapes.md``: how the wrapper's ``_DECODE_SHAPE``
+was chosen. Each shape's output is checked against the default shape's (within 2 ulp: only the split
+count, hence the fp32 summation order, differs) before it is timed.
 """
 
 from __future__ import annotations
@@ -23,7 +27,8 @@ import torch
 
 from certify.oracles import tolerance
 from certify.paths import project_paths
-from impl.kernels.qsa.triton_sparse_gqa import triton_decode
+from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4
+from impl.kernels.qsa.triton_sparse_gqa import _DECODE_SHAPE, triton_decode
 from spec.ops.kv_storage import fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load, nvfp4_quantize
 from spec.ops.qsa import qsa_sparse_gqa
 
@@ -112,10 +117,37 @@ def check(inp: dict, rows: int = 4) -> float:
     return v.metrics["out.ulp"]
 
 
+SHAPES = [(n, w, s, p) for n in (32, 64) for w in (4, 8) for s in (1, 2, 3) for p in (2, 4)]
+
+
+def time_shapes(inp: dict, default_out: torch.Tensor, floor: float) -> dict[tuple, str]:
+    """Each launch shape's median time and share of the floor, after its output agrees with the
+    default shape's within 2 ulp."""
+    import triton.testing
+
+    ref = default_out.double()
+    cells = {}
+    for shp in SHAPES:
+        o = torch.full_like(inp["q"], float("nan"))
+        try:
+            triton_decode(**inp, out=o, shape=shp)
+            if not tolerance("out", o, ref, 2, 1).passed:
+                cells[shp] = "differs"
+                continue
+            us = triton.testing.do_bench_cudagraph(lambda: triton_decode(**inp, out=o, shape=shp),
+                                                   rep=100) * 1e3
+            cells[shp] = f"{us:.1f} ({floor / us:.0%})"
+        except Exception as e:  # noqa: BLE001 - a shape that cannot compile is reported, not fatal
+            torch.cuda.synchronize()
+            cells[shp] = f"fails ({type(e).__name__})"
+    return cells
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=str(project_paths().reports / "bench"))
     p.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, no report")
+    p.add_argument("--shapes", action="store_true", help="also time a grid of launch shapes")
     args = p.parse_args()
     if args.smoke:
         for kv in ("bf16", "fp8", "nvfp4"):
@@ -131,6 +163,7 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     bw = copy_bandwidth()
     lines_rows = []
+    shape_rows: dict[tuple, dict[str, str]] = {}
     t0 = time.perf_counter()
     for kv in ("bf16", "fp8", "nvfp4"):
         inp = decode_inputs(128, 64, 256, 24, 2, 256, kv, "cuda")
@@ -152,6 +185,10 @@ def main() -> None:
             peer_us = f"{triton.testing.do_bench(peer, rep=200, return_mode='median') * 1e3:.1f}"
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             peer_us = f"not run ({type(e).__name__})"
+        if args.shapes:
+            for shp, cell in time_shapes(inp, out, floor).items():
+                shape_rows.setdefault(shp, {})[kv] = cell
+            print(f"[{time.perf_counter() - t0:.0f}s] {kv}: shapes timed", flush=True)
         lines_rows.append(f"| {kv} | {nbytes / 1e6:.1f} | {floor:.1f} | {us:.1f} | "
                           f"{floor / us:.0%} | {nbytes / (us * 1e-6) / 1e12:.2f} | {ulp:.2f} | "
                           f"{peer_us} |")
@@ -169,6 +206,23 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "qsa_sparse_gqa.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    if args.shapes:
+        chosen = {kv: tuple(_DECODE_SHAPE[f]) for kv, f in (("bf16", FMT_BF16), ("fp8", FMT_FP8),
+                                                             ("nvfp4", FMT_NVFP4))}
+        table = [f"# QSA sparse GQA decode launch shapes, {torch.cuda.get_device_name()}, "
+                 f"{dt.date.today().isoformat()}", "",
+                 f"Versions: {versions}. The shape of qsa_sparse_gqa.md (same inputs, same run): "
+                 "microseconds (median of CUDA-graph replays) and the share of the KV-bytes floor; "
+                 "* marks the wrapper's choice (_DECODE_SHAPE); 'differs' = the output left the "
+                 "2-ulp agreement with the default shape, 'fails' = it did not compile or run.", "",
+                 "| tokens a tile | warps | stages | programs / SM | bf16 | fp8 | nvfp4 |",
+                 "|---|---|---|---|---|---|---|"]
+        for shp in sorted(shape_rows):
+            cells = [shape_rows[shp].get(kv, "") + (" *" if chosen[kv] == shp else "")
+                     for kv in ("bf16", "fp8", "nvfp4")]
+            table.append(f"| {' | '.join(map(str, shp))} | {' | '.join(cells)} |")
+        (out / "qsa_sparse_gqa_shapes.md").write_text("\n".join(table) + "\n")
+        print("\n".join(table))
 
 
 if __name__ == "__main__":

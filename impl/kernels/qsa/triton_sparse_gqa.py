@@ -258,10 +258,11 @@ def _formats(q: torch.Tensor, k_cache, v_cache, load, load_v) -> tuple[KvFormat,
 def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_ids: torch.Tensor,
                   block_table: torch.Tensor, k_cache, v_cache, load=None, load_v=None,
                   scale: float | None = None, *, out: torch.Tensor, num_splits: int | None = None,
-                  block_n: int | None = None) -> None:
+                  block_n: int | None = None, shape: tuple[int, int, int, int] | None = None) -> None:
     """Decode rows: q, gate [N, HQ, D] bf16; tokens int [N, W] (-1 padding); seq_ids [N];
     block_table int32 [B, max_pages]; caches / loads as spec/ops/qsa.py:qsa_sparse_gqa. Writes out
-    [N, HQ, D] bf16 completely."""
+    [N, HQ, D] bf16 completely. ``shape`` (tokens a tile, warps, stages, programs per SM) replaces
+    the format's ``_DECODE_SHAPE`` entry (bench/qsa_sparse_gqa.py --shapes times the candidates)."""
     _check(q, gate, tokens, seq_ids, block_table, out)
     n, hq, d = q.shape
     kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
@@ -272,7 +273,7 @@ def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq
     g = hq // n_kv
     g_pad = max(16, triton.next_power_of_2(g))  # the dots' M is at least 16
     w = tokens.shape[1]
-    shape_n, warps, stages, per_sm = _DECODE_SHAPE[kf.fmt]
+    shape_n, warps, stages, per_sm = shape or _DECODE_SHAPE[kf.fmt]
     block_n = block_n or (64 if INTERPRETING else shape_n)
     tiles = max(1, triton.cdiv(w, block_n))
     splits = num_splits or _default_splits(n, n_kv, tiles, q.device, per_sm)
