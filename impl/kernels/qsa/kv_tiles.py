@@ -1,7 +1,7 @@
 """Reading K/V tiles of the paged QSA cache in Triton: bf16, fp8 (e4m3) and nvfp4 pools.
 
 Formats (spec/ops/kv_storage.py, MATH.md "KV storage"):
-- bf16: one pool [P, 32, n_kv, D] bf16, read as is (``load_kv_tile``), for bf16 dots.
+- bf16: one pool [P, 32, n_kv, D] bf16, read as is (``load_kv_tile_bf16``), for bf16 dots.
 - fp8: one pool [P, 32, n_kv, D] e4m3, passed as its uint8 bytes.
 - nvfp4: pools (uint8 codes [P, 32, n_kv, D/2], even element in the low nibble; e4m3 scales
   [P, 32, n_kv, D/16]) and the fp32 global scale gs.
@@ -9,11 +9,12 @@ Formats (spec/ops/kv_storage.py, MATH.md "KV storage"):
 The narrow formats are read as exact fp16 values for fp16 dots (``load_kv_tile_f16``): an e4m3 value
 is an fp16 value, and so is code * sf of nvfp4 (at most 6 significant bits, between 2^-10 and 2688);
 nvfp4's gs is left to the caller, which applies it to the logits and to the output in fp32. So an
-nvfp4 element enters the attention as the exact product (code * sf) * gs, without the spec's
-rounding of each element to fp32 and bf16: the kernels are closer to the float64 reference than the
-spec's own low-precision path, and the page reader is two to three times cheaper (MATH.md's band
-covers both). fp16 rather than bf16 because each conversion instruction costs several bytes' worth
-of memory time on sm_90: e4m3 -> fp16 is one hardware conversion for two elements, while e4m3 ->
+nvfp4 element enters the attention as the exact code * sf, without the spec's rounding of each
+element (code * sf) * gs to fp32 and bf16: the kernels are closer to the float64 reference than the
+spec's own low-precision path (the bands of certify/cells/qsa_sparse_gqa.yaml say what each path is
+certified to), and the decode step ran 1.6x (fp8) and 1.7x (nvfp4) faster on the H200 (docs/gpu.md).
+fp16 rather than bf16 because each conversion instruction costs several bytes' worth of memory time
+on sm_90: e4m3 -> fp16 is one hardware conversion for two elements, while e4m3 ->
 bf16 needs three.
 
 On the GPU (``HW``): e4m3 through the hardware conversion (``tl.float8e4nv``); e2m1 through a byte
@@ -69,8 +70,8 @@ def load_kv_tile_bf16(pool, slot, valid, D: tl.constexpr):
     return tl.load(pool + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
 
 
-# The fp16 bits of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x3800 ... 0x4600 with a zero low
-# byte: their high bytes, in order, are the 8-byte table {0x3E3C3800, 0x46444240} that ``prmt``
+# The fp16 bits of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x0000, 0x3800 ... 0x4600, each
+# with a zero low byte: their high bytes, in order, are the 8-byte table {0x3E3C3800, 0x46444240} that ``prmt``
 # indexes with a nibble. $4 holds 4 packed bytes (8 codes: byte i = hi_i << 4 | lo_i); $5 / $6 the
 # fp16 block scales of bytes 0-1 / 2-3; $0 / $1 the fp16 values lo_0 lo_1 / lo_2 lo_3 (even elements),
 # $2 / $3 hi_0 hi_1 / hi_2 hi_3 (odd elements). Per 2 bytes: mask the sign bits off (the nibbles of

@@ -18,9 +18,8 @@ Numerics. bf16 pages: q, K, V are bf16 values, exact operands of bf16 tensor-cor
 accumulation, so q . k is fp32-accurate. fp8 / nvfp4 pages: K and V are read as exact fp16 values
 (kv_tiles.load_kv_tile_f16; nvfp4's gs multiplies the logits and the output in fp32), and the dots are
 fp16: each row of q is scaled by a power of two so that its largest element lies in [2^14, 2^15), which
-keeps every element exactly unless it is below 2^-31 of the row's largest (fp16 subnormals: rounded to
-a multiple of 2^-39 of it, far below the fp32 accumulation's own error); the logits take the factor
-back. Then, for every format: logits * scale, max-subtracted exp and the sums in fp32; p kept
+keeps every element exactly unless it is below 2^-31 of the row's largest (fp16 subnormals: an error of
+at most 2^-39 of it, far below the fp32 accumulation's own error); the logits take the factor back. Then, for every format: logits * scale, max-subtracted exp and the sums in fp32; p kept
 fp32-accurate by splitting it into two operands of the dots' type (bf16: hi + lo, 16 significant bits;
 fp16: 22 bits, or within 2^-25 absolute where a piece falls below fp16's normal range); o = acc / l
 rounded to bf16, then o * sigmoid(gate) in fp32 and one bf16 rounding (``round_to_bf16``, the same on
@@ -50,11 +49,11 @@ _NEG = tl.constexpr(-1.0e30)  # running-max start: finite, so an all-masked tile
 
 
 @triton.jit
-def _bdot(a, b, BF16_DOT: tl.constexpr):
+def _bdot(a, b, COMPILED: tl.constexpr):
     """a @ b of two bf16 (or two fp16) tensors with exact products and fp32 accumulation: a
     tensor-core dot when compiled; through fp32 in the interpreter, which multiplies bf16 tensors as
     raw integers."""
-    if BF16_DOT:
+    if COMPILED:
         return tl.dot(a, b)
     else:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
@@ -65,12 +64,14 @@ def _q_operand(qf, scale, F16: tl.constexpr):
     """q tile (fp32 values of bf16) -> the dots' operand and the per-row factor of the logits.
     bf16: q as is, factor ``scale``. fp16: each row times 2^(14 - e), e the exponent of its largest
     |q| (exact in fp32, then in fp16 but for elements below 2^-31 of that largest), factor
-    scale * 2^(e - 14) (exponents clamped to the normal range: a zero row stays zero)."""
+    scale * 2^(e - 14)."""
     if F16:
         qmax = tl.max(tl.abs(qf), 1)
-        e = ((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
-        up = (tl.minimum(tl.maximum(141 - e, 1), 254) << 23).to(tl.float32, bitcast=True)
-        down = (tl.minimum(tl.maximum(113 + e, 1), 254) << 23).to(tl.float32, bitcast=True)
+        # e clamped to [-112, 127] so that both factors are normal fp32 powers of two whose product is
+        # exactly 1 (a row whose largest |q| is below 2^-112 is scaled by 2^126 only)
+        e = tl.minimum(tl.maximum(((qmax.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -112), 127)
+        up = ((141 - e) << 23).to(tl.float32, bitcast=True)
+        down = ((113 + e) << 23).to(tl.float32, bitcast=True)
         return (qf * up[:, None]).to(tl.float16), down * scale
     else:
         return qf.to(tl.bfloat16), tl.zeros([qf.shape[0]], tl.float32) + scale
@@ -89,19 +90,19 @@ def _split_p(p, F16: tl.constexpr):
 
 
 @triton.jit
-def _softmax_pv_step(qt, kt, vt, live, weight, m_i, l_i, acc, s_scale, BF16_DOT: tl.constexpr,
+def _softmax_pv_step(qt, kt, vt, live, weight, m_i, l_i, acc, s_scale, COMPILED: tl.constexpr,
                      F16: tl.constexpr):
     """One online-softmax step over a K/V tile: logits of live (M, N) pairs (the dot times the row
     factor ``s_scale`` [M]), p weighted by the token's multiplicity, acc rescaled and accumulated
     with p split into two operands."""
-    s = _bdot(qt, tl.trans(kt), BF16_DOT) * s_scale[:, None]
+    s = _bdot(qt, tl.trans(kt), COMPILED) * s_scale[:, None]
     s = tl.where(live, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp(m_i - m_new)
     p = tl.exp(s - m_new[:, None]) * weight
     l_i = l_i * alpha + tl.sum(p, 1)
     p_hi, p_lo = _split_p(p, F16)
-    acc = acc * alpha[:, None] + _bdot(p_hi, vt, BF16_DOT) + _bdot(p_lo, vt, BF16_DOT)
+    acc = acc * alpha[:, None] + _bdot(p_hi, vt, COMPILED) + _bdot(p_lo, vt, COMPILED)
     return m_new, l_i, acc
 
 
@@ -147,7 +148,7 @@ def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
                          part_o, part_ml, scale, W, tiles_per_split,
                          HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                          D: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
-                         BF16_DOT: tl.constexpr, STAGES: tl.constexpr):
+                         COMPILED: tl.constexpr, STAGES: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     split = tl.program_id(2).to(tl.int64)
@@ -162,10 +163,10 @@ def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
     m_i = tl.full([G_PAD], _NEG, tl.float32)
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
-    # int32 loop bounds and token offsets (W < 2^31 / BLOCK_N): an int64 induction variable feeding
-    # n and the slot masks makes triton 3.6's remove-layout-conversions pass emit an arith.select
-    # whose condition and result layouts differ (make_ttgir fails on sm_90). Offsets are widened to
-    # int64 by row * W below. No branch in the body (a tile of padding reads nothing through its
+    # int32 loop bounds and token offsets (W < 2^31 / BLOCK_N), widened to int64 by row * W below:
+    # with an int64 induction variable, the loop body of an earlier revision (tokens, then pages,
+    # loaded in the loop) made triton 3.6's remove-layout-conversions pass emit an invalid
+    # arith.select (docs/gpu.md). No branch in the body (a tile of padding reads nothing through its
     # masks), so the software pipeliner can take the loop.
     first = tl.program_id(2) * tiles_per_split
     for t in tl.range(first, first + tiles_per_split, num_stages=STAGES):
@@ -173,10 +174,10 @@ def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
         ts = tl.load(token_slots + row * W + n, mask=n < W, other=-1).to(tl.int64)
         valid = ts >= 0
         slot = tl.where(valid, ts * HKV + h, 0)
-        kt = _load_kv(k_pool, k_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
-        vt = _load_kv(v_pool, v_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
+        kt = _load_kv(k_pool, k_sf, slot, valid, FMT, D, BLOCK_N, COMPILED)
+        vt = _load_kv(v_pool, v_sf, slot, valid, FMT, D, BLOCK_N, COMPILED)
         m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, valid[None, :], 1.0, m_i, l_i, acc, s_scale,
-                                         BF16_DOT, FMT != 0)
+                                         COMPILED, FMT != 0)
     if FMT == 2:
         acc = acc * tl.load(v_gs)
     base = (row * HKV + h) * n_splits + split
@@ -226,6 +227,21 @@ def _check(q, gate, tokens, seq_ids, block_table, out):
         raise ValueError("q, gate, tokens, seq_ids and out disagree on the rows")
 
 
+# triton 3.6's OptimizeDotOperands pass fails on a dot with M = 64 whose operand comes from the prmt
+# nvfp4 decoder (tools/sm90_compile_check.py; M <= 32 compiles): nvfp4 pages take at most 32 rows of q
+# heads a dot.
+_NVFP4_MAX_M = 32
+
+
+def _nvfp4_group_pad(g: int) -> int:
+    """The q heads of one KV head, padded as the dots' M, checked against ``_NVFP4_MAX_M``."""
+    g_pad = max(16, triton.next_power_of_2(g))
+    if g_pad > _NVFP4_MAX_M:
+        raise ValueError(f"nvfp4 pages: at most {_NVFP4_MAX_M} q heads per KV head (got {g}): "
+                         "triton 3.6 cannot compile the nvfp4 reader into a larger dot")
+    return g_pad
+
+
 # Decode launch shape per page format on a GPU: (tokens a tile, warps, pipeline stages, programs per
 # SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, docs/gpu.md).
 _DECODE_SHAPE = {FMT_BF16: (64, 4, 2, 2), FMT_FP8: (64, 4, 2, 4), FMT_NVFP4: (64, 4, 1, 2)}
@@ -262,19 +278,22 @@ def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq
     """Decode rows: q, gate [N, HQ, D] bf16; tokens int [N, W] (-1 padding); seq_ids [N];
     block_table int32 [B, max_pages]; caches / loads as spec/ops/qsa.py:qsa_sparse_gqa. Writes out
     [N, HQ, D] bf16 completely. ``shape`` (tokens a tile, warps, stages, programs per SM) replaces
-    the format's ``_DECODE_SHAPE`` entry (bench/qsa_sparse_gqa.py --shapes times the candidates)."""
+    the format's ``_DECODE_SHAPE`` entry (bench/qsa_sparse_gqa.py --shapes times the candidates;
+    without it the interpreter takes 64-token tiles)."""
     _check(q, gate, tokens, seq_ids, block_table, out)
     n, hq, d = q.shape
     kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
     if n == 0:
         return
-    if kf.pool.shape[0] * TPB >= 2**31:
+    if kf.pool.shape[0] * TPB > 2**31:
         raise ValueError("triton_decode keeps page * 32 + offset in int32: at most 2^26 pages")
     g = hq // n_kv
     g_pad = max(16, triton.next_power_of_2(g))  # the dots' M is at least 16
+    if kf.fmt == FMT_NVFP4:
+        _nvfp4_group_pad(g)
     w = tokens.shape[1]
     shape_n, warps, stages, per_sm = shape or _DECODE_SHAPE[kf.fmt]
-    block_n = block_n or (64 if INTERPRETING else shape_n)
+    block_n = block_n or (shape_n if shape or not INTERPRETING else 64)
     tiles = max(1, triton.cdiv(w, block_n))
     splits = num_splits or _default_splits(n, n_kv, tiles, q.device, per_sm)
     per_split = triton.cdiv(tiles, splits)
@@ -287,7 +306,7 @@ def triton_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq
     part_ml = torch.empty(n * n_kv * splits * 2 * g, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(n, n_kv, splits)](
         q, token_slots, *kf.args(), *vf.args(), part_o, part_ml, scale, w, per_split, HQ=hq,
-        HKV=n_kv, G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, FMT=kf.fmt, BF16_DOT=not INTERPRETING,
+        HKV=n_kv, G=g, G_PAD=g_pad, D=d, BLOCK_N=block_n, FMT=kf.fmt, COMPILED=not INTERPRETING,
         STAGES=stages, num_warps=warps)
     _decode_combine_kernel[(n, n_kv)](part_o, part_ml, gate, out, splits, HQ=hq, HKV=n_kv, G=g,
                                       G_PAD=g_pad, D=d, num_warps=4)
@@ -302,7 +321,7 @@ def _rows_kernel(q, gate, out, tile_rows, tile_seq, union_tok, union_cnt, union_
                  k_pool, k_sf, k_gs, v_pool, v_sf, v_gs, scale, U, table_w,
                  HQ: tl.constexpr, HKV: tl.constexpr, G: tl.constexpr, G_PAD: tl.constexpr,
                  D: tl.constexpr, R: tl.constexpr, BLOCK_N: tl.constexpr, FMT: tl.constexpr,
-                 BF16_DOT: tl.constexpr):
+                 COMPILED: tl.constexpr):
     tile = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1).to(tl.int64)
     i = tl.arange(0, R * G_PAD)  # the dots' M: (row of the tile, q head of the group)
@@ -329,10 +348,10 @@ def _rows_kernel(q, gate, out, tile_rows, tile_seq, union_tok, union_cnt, union_
         # multiplicity of each union token in each row (0: not selected by that row)
         cnt = tl.load(union_cnt + (tile * R + r)[:, None] * U + n[None, :],
                       mask=live_m[:, None] & inb[None, :], other=0).to(tl.float32)
-        kt = _load_kv(k_pool, k_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
-        vt = _load_kv(v_pool, v_sf, slot, valid, FMT, D, BLOCK_N, BF16_DOT)
+        kt = _load_kv(k_pool, k_sf, slot, valid, FMT, D, BLOCK_N, COMPILED)
+        vt = _load_kv(v_pool, v_sf, slot, valid, FMT, D, BLOCK_N, COMPILED)
         live = (cnt > 0) & valid[None, :]
-        m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, live, cnt, m_i, l_i, acc, s_scale, BF16_DOT,
+        m_i, l_i, acc = _softmax_pv_step(qt, kt, vt, live, cnt, m_i, l_i, acc, s_scale, COMPILED,
                                          FMT != 0)
     if FMT == 2:
         acc = acc * tl.load(v_gs)
@@ -389,7 +408,8 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
                 scale: float | None = None, *, out: torch.Tensor, rows_per_tile: int = 4,
                 block_n: int | None = None) -> None:
     """Context / verify / mixed rows: same contract as ``triton_decode``; rows of one request share
-    each K/V tile read (``rows_per_tile`` rows a program; at most 2 over nvfp4 pages)."""
+    each K/V tile read (``rows_per_tile`` rows a program; fewer over nvfp4 pages, where the dots' M
+    stops at 32)."""
     _check(q, gate, tokens, seq_ids, block_table, out)
     n, hq, d = q.shape
     kf, vf, n_kv = _formats(q, k_cache, v_cache, load, load_v)
@@ -398,10 +418,9 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
     g = hq // n_kv
     r = triton.next_power_of_2(rows_per_tile)
     if kf.fmt == FMT_NVFP4:
-        # at most 2 rows (M <= 32) over nvfp4 pages: at M = 64 triton 3.6's OptimizeDotOperands pass
-        # fails on the prmt-decoded operand (tools/sm90_compile_check.py), on every stack alike so
-        # that the CPU certifies the GPU's tiling
-        r = min(r, 2)
+        # the dots' M at most 32 over nvfp4 pages (``_NVFP4_MAX_M``), on every stack alike so that
+        # the CPU certifies the GPU's tiling
+        r = max(1, min(r, _NVFP4_MAX_M // _nvfp4_group_pad(g)))
     g_pad = max(triton.next_power_of_2(g), triton.cdiv(16, r))  # the dots' M = r * g_pad >= 16
     tile_rows, tile_seq, union, cnt, union_len = row_tiles(tokens, seq_ids, r)
     block_n = block_n or (64 if INTERPRETING else 32)
@@ -409,4 +428,4 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
     _rows_kernel[(tile_rows.shape[0], n_kv)](
         q, gate, out, tile_rows, tile_seq, union, cnt, union_len, block_table, *kf.args(),
         *vf.args(), scale, union.shape[1], block_table.shape[1], HQ=hq, HKV=n_kv, G=g, G_PAD=g_pad,
-        D=d, R=r, BLOCK_N=block_n, FMT=kf.fmt, BF16_DOT=not INTERPRETING, num_warps=8 if r * g_pad >= 64 else 4)
+        D=d, R=r, BLOCK_N=block_n, FMT=kf.fmt, COMPILED=not INTERPRETING, num_warps=8 if r * g_pad >= 64 else 4)
