@@ -6,11 +6,12 @@
     certify gates check                    # load every gate file against the target; errors name
                                            # file, line and field
 
-``run`` shows a progress bar per engine run, prints each check's verdict with its threshold and minimum
-detectable effect, and writes ``reports/gates/<gate>.json`` and ``reports/gates/summary.md``. Exit 1 when
-a gate failed, lacked a reference, or a file had errors (a --record run whose checks lacked references
-and recorded them exits 0: its status is `recorded`, not a pass); a skipped gate (the target cannot run here,
-e.g. no checkpoint) is reported with its reason and is not a failure.
+``run`` shows a progress bar per engine run (with ``--jobs``, labelled by gate, beside one over the
+gates), prints each check's verdict with its threshold and minimum detectable effect, and writes
+``reports/gates/<gate>.json`` and ``reports/gates/summary.md``. Exit 1 when a gate failed, lacked a
+reference, or a file had errors (a --record run whose checks lacked references and recorded them
+exits 0: its status is `recorded`, not a pass); a skipped gate (the target cannot run here, e.g. no
+checkpoint) is reported with its reason and is not a failure.
 """
 
 from __future__ import annotations
@@ -75,8 +76,16 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 bad[0] = True
                 bar.advance(task)
 
+            runs: dict[tuple[str, str], int] = {}
+
+            def run_progress(gate: str, label: str, done: int, total: int) -> None:
+                if (gate, label) not in runs:
+                    runs[gate, label] = bar.add_task(f"{gate}: {label}", total=total)
+                bar.update(runs[gate, label], completed=done, total=total)
+
             run_gates_in_jobs(order, settings.target, store, args.jobs, record=args.record,
-                              overwrite=args.overwrite, on_result=done, on_error=error)
+                              overwrite=args.overwrite, on_result=done, on_error=error,
+                              on_progress=run_progress)
         else:
             tasks: dict[str, int] = {}
 

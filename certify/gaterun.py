@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import multiprocessing
 import os
+import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -245,9 +246,10 @@ Added = list[tuple[str, str, Reference]]   # (eval set, its content hash, refere
 
 
 def _run_in_job(gate: GateFile, target_spec: str, references: Path, record: bool,
-                overwrite: bool) -> tuple[GateResult, Added]:
+                overwrite: bool, events=None) -> tuple[GateResult, Added]:
     """One gate in a worker process: its own target and a store read from disk at the start. The
-    references it records are returned for the parent's store, the one that is saved."""
+    references it records are returned for the parent's store, the one that is saved. ``events``
+    (a queue shared with the parent) receives (gate, run label, done, total) as the runs advance."""
     from certify.gates import load_target
     store = ReferenceStore(references)
     added: Added = []
@@ -260,7 +262,11 @@ def _run_in_job(gate: GateFile, target_spec: str, references: Path, record: bool
         return stored
 
     store.add = add  # type: ignore[method-assign]
-    return run_gate(gate, load_target(target_spec), store, record=record, overwrite=overwrite), added
+    progress = None if events is None else \
+        (lambda label, done, total: events.put((gate.gate, label, done, total)))
+    result = run_gate(gate, load_target(target_spec), store, progress=progress, record=record,
+                      overwrite=overwrite)
+    return result, added
 
 
 @contextmanager
@@ -281,10 +287,34 @@ def _threads_per_job(jobs: int):
                 os.environ.pop(k, None)
 
 
+@contextmanager
+def _progress_listener(ctx, on_progress: Callable[[str, str, int, int], None] | None):
+    """A queue the jobs put their progress events on (None without ``on_progress``), drained by a
+    thread of this process that hands each event to ``on_progress``, until the jobs are done."""
+    if on_progress is None:
+        yield None
+        return
+    with ctx.Manager() as manager:
+        events = manager.Queue()
+
+        def drain() -> None:
+            while (event := events.get()) is not None:
+                on_progress(*event)
+
+        listener = threading.Thread(target=drain, name="gate-progress", daemon=True)
+        listener.start()
+        try:
+            yield events
+        finally:
+            events.put(None)  # after every job's events: each job put them before it returned
+            listener.join()
+
+
 def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceStore, jobs: int, *,
                       record: bool = False, overwrite: bool = False,
                       on_result: Callable[[GateResult], None] | None = None,
-                      on_error: Callable[[str, BaseException], None] | None = None
+                      on_error: Callable[[str, BaseException], None] | None = None,
+                      on_progress: Callable[[str, str, int, int], None] | None = None
                       ) -> list[GateResult]:
     """Run ``gates`` in ``jobs`` worker processes (started fresh: nothing of this process's state
     is shared), in the given order (put the longest first), reporting each result as it ends. The
@@ -292,11 +322,13 @@ def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceS
     saves it), so parallel recording cannot lose one: a job reads the references on disk when it
     starts and does not see those another job records in the same run; where two jobs record the
     same configuration, the first to end is kept (``overwrite``: the last). A job that raises is
-    reported to ``on_error`` and the others go on."""
+    reported to ``on_error`` and the others go on. ``on_progress(gate, run label, done, total)`` is
+    called in this process, from a listener thread, as the jobs' engine runs advance."""
     results: list[GateResult] = []
     ctx = multiprocessing.get_context("spawn")
-    with _threads_per_job(jobs), ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-        futures = {pool.submit(_run_in_job, g, target_spec, store.dir, record, overwrite): g
+    with _threads_per_job(jobs), ProcessPoolExecutor(jobs, mp_context=ctx) as pool, \
+            _progress_listener(ctx, on_progress) as events:
+        futures = {pool.submit(_run_in_job, g, target_spec, store.dir, record, overwrite, events): g
                    for g in gates}
         for fut in as_completed(futures):
             try:

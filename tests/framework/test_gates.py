@@ -373,3 +373,22 @@ def test_gate_items_are_collected_with_their_tier_and_skip_with_the_reason():
     text = out.stdout + out.stderr
     assert out.returncode == 0, text
     assert f"{n} skipped" in text and "no trained checkpoint at checkpoints/flashnext-tiny" in text
+
+
+def test_gate_jobs_report_each_run_progress_to_the_parent(tmp_path):
+    """``on_progress`` hears, in this process, every engine run of every job: per (gate, run) the
+    counts rise to the run's total, and the runs are those a sequential run shows."""
+    from certify.gaterun import run_gates_in_jobs
+    sequential: dict[tuple[str, str], list[int]] = {}
+    for g in _three_gates():
+        run_gate(g, FakeTarget(), ReferenceStore(tmp_path / "one"), record=True,
+                 progress=lambda label, d, t, g=g.gate: sequential.setdefault((g, label), []).append(d))
+    events: dict[tuple[str, str], list[tuple[int, int]]] = {}
+    run_gates_in_jobs(_three_gates(), f"{FakeTarget.__module__}:FakeTarget",
+                      ReferenceStore(tmp_path / "many"), 2, record=True,
+                      on_progress=lambda g, label, d, t: events.setdefault((g, label), []).append((d, t)))
+    assert sequential and set(events) == set(sequential)
+    for key, seen in events.items():
+        done = [d for d, _ in seen]
+        assert done == sorted(done) and done[-1] == seen[-1][1], (key, seen)
+        assert done == sequential[key], key
