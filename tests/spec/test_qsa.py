@@ -406,7 +406,8 @@ def select_cases(draw: st.DrawFn) -> dict:
     return dict(
         scores=torch.tensor(draw(st.lists(st.lists(score_values, min_size=n_cols, max_size=n_cols),
                                           min_size=n_rows, max_size=n_rows)), dtype=torch.float32),
-        positions=torch.tensor(draw(st.lists(st.integers(0, TPB * n_cols + TPB - 1),
+        # the latest position whose complete blocks all have a column: (t + 1) // 32 <= n_cols
+        positions=torch.tensor(draw(st.lists(st.integers(0, TPB * n_cols + TPB - 2),
                                              min_size=n_rows, max_size=n_rows))),
         k=draw(st.integers(0, 10)),
         sink=draw(st.integers(1, 2)),
