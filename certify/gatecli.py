@@ -53,6 +53,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return 1
     bad = [bool(loaded.errors or store.errors)]
     with _progress() as bar:
+        runs: dict[str, int] = {}
+
+        def run_bar(label: str, done: int, total: int) -> None:
+            """One bar per engine run, created at its first report."""
+            if label not in runs:
+                runs[label] = bar.add_task(label, total=total)
+            bar.update(runs[label], completed=done, total=total)
 
         def finish(result) -> None:
             bar.console.print(result.summary(), soft_wrap=True)
@@ -76,26 +83,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 bad[0] = True
                 bar.advance(task)
 
-            runs: dict[tuple[str, str], int] = {}
-
-            def run_progress(gate: str, label: str, done: int, total: int) -> None:
-                if (gate, label) not in runs:
-                    runs[gate, label] = bar.add_task(f"{gate}: {label}", total=total)
-                bar.update(runs[gate, label], completed=done, total=total)
-
             run_gates_in_jobs(order, settings.target, store, args.jobs, record=args.record,
                               overwrite=args.overwrite, on_result=done, on_error=error,
-                              on_progress=run_progress)
+                              on_progress=lambda gate, label, d, t: run_bar(f"{gate}: {label}", d, t))
         else:
-            tasks: dict[str, int] = {}
-
-            def progress(label: str, done: int, total: int) -> None:
-                if label not in tasks:
-                    tasks[label] = bar.add_task(label, total=total)
-                bar.update(tasks[label], completed=done, total=total)
-
             for gate in chosen:
-                finish(run_gate(gate, target, store, progress=progress, record=args.record,
+                finish(run_gate(gate, target, store, progress=run_bar, record=args.record,
                                 overwrite=args.overwrite))
     for path in store.save():
         print(f"wrote {path.relative_to(settings.gates.parent.parent)}")
