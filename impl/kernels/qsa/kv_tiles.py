@@ -70,9 +70,9 @@ def load_kv_tile_bf16(pool, slot, valid, D: tl.constexpr):
     return tl.load(pool + slot[:, None] * D + d[None, :], mask=valid[:, None], other=0.0).to(tl.bfloat16)
 
 
-# The fp16 bits of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x0000, 0x3800 ... 0x4600, each
-# with a zero low byte: their high bytes, in order, are the 8-byte table {0x3E3C3800, 0x46444240} that ``prmt``
-# indexes with a nibble. $4 holds 4 packed bytes (8 codes: byte i = hi_i << 4 | lo_i); $5 / $6 the
+# The fp16 bits of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x0000, 0x3800 ... 0x4600,
+# each with a zero low byte: their high bytes, in order, are the 8-byte table
+# {0x3E3C3800, 0x46444240} that ``prmt`` indexes with a nibble. $4 holds 4 packed bytes (8 codes: byte i = hi_i << 4 | lo_i); $5 / $6 the
 # fp16 block scales of bytes 0-1 / 2-3; $0 / $1 the fp16 values lo_0 lo_1 / lo_2 lo_3 (even elements),
 # $2 / $3 hi_0 hi_1 / hi_2 hi_3 (odd elements). Per 2 bytes: mask the sign bits off (the nibbles of
 # the low half-word are then the selector), look the 4 high bytes up, spread them into two fp16x2

@@ -19,16 +19,19 @@ accumulation, so q . k is fp32-accurate. fp8 / nvfp4 pages: K and V are read as 
 (kv_tiles.load_kv_tile_f16; nvfp4's gs multiplies the logits and the output in fp32), and the dots are
 fp16: each row of q is scaled by a power of two so that its largest element lies in [2^14, 2^15), which
 keeps every element exactly unless it is below 2^-31 of the row's largest (fp16 subnormals: an error of
-at most 2^-39 of it, far below the fp32 accumulation's own error); the logits take the factor back. Then, for every format: logits * scale, max-subtracted exp and the sums in fp32; p kept
-fp32-accurate by splitting it into two operands of the dots' type (bf16: hi + lo, 16 significant bits;
+at most 2^-39 of it, far below the fp32 accumulation's own error); the logits take the factor back.
+Then, for every format: logits * scale, max-subtracted exp and the sums in fp32; p kept fp32-accurate
+by splitting it into two operands of the dots' type (bf16: hi + lo, 16 significant bits;
 fp16: 22 bits, or within 2^-25 absolute where a piece falls below fp16's normal range); o = acc / l
 rounded to bf16, then o * sigmoid(gate) in fp32 and one bf16 rounding (``round_to_bf16``, the same on
 interpreter and GPU). A row with no token outputs zeros. The kernels are generic in heads and head_dim
 (powers of two >= 16 for head_dim).
 
-Launch shapes (``_DECODE_SHAPE``) were chosen on the H200 (bench/qsa_sparse_gqa.py, docs/gpu.md):
-64-token tiles, with Triton's software pipeline (2 stages, cp.async) for bf16 and fp8 pages; nvfp4 pages
-run faster unpipelined.
+Launch shapes (``_DECODE_SHAPE``: tile, warps, pipeline stages, programs per SM) are the fastest of
+the 36-shape grid that ``bench/qsa_sparse_gqa.py --shapes`` timed on the H200
+(reports/bench/qsa_sparse_gqa_shapes.md): two warps a program throughout; bf16 pages in 32-token
+tiles through a 3-stage software pipeline (cp.async), fp8 in 64-token tiles through 2 stages, nvfp4
+in 32-token tiles unpipelined.
 """
 
 from __future__ import annotations
@@ -45,7 +48,8 @@ from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4, KvFormat, lo
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
 
 TPB = 32
-_NEG = tl.constexpr(-1.0e30)  # running-max start: finite, so an all-masked tile gives alpha = exp(0), never NaN
+# running-max start: finite, so an all-masked tile gives alpha = exp(0), never NaN
+_NEG = tl.constexpr(-1.0e30)
 
 
 @triton.jit
@@ -244,7 +248,7 @@ def _nvfp4_group_pad(g: int) -> int:
 
 # Decode launch shape per page format on a GPU: (tokens a tile, warps, pipeline stages, programs per
 # SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, docs/gpu.md).
-_DECODE_SHAPE = {FMT_BF16: (64, 4, 2, 2), FMT_FP8: (64, 4, 2, 4), FMT_NVFP4: (64, 4, 1, 2)}
+_DECODE_SHAPE = {FMT_BF16: (32, 2, 3, 2), FMT_FP8: (64, 2, 2, 2), FMT_NVFP4: (32, 2, 1, 2)}
 
 
 def _default_splits(rows: int, n_kv: int, tiles: int, device: torch.device, per_sm: int = 4) -> int:
@@ -428,4 +432,5 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
     _rows_kernel[(tile_rows.shape[0], n_kv)](
         q, gate, out, tile_rows, tile_seq, union, cnt, union_len, block_table, *kf.args(),
         *vf.args(), scale, union.shape[1], block_table.shape[1], HQ=hq, HKV=n_kv, G=g, G_PAD=g_pad,
-        D=d, R=r, BLOCK_N=block_n, FMT=kf.fmt, COMPILED=not INTERPRETING, num_warps=8 if r * g_pad >= 64 else 4)
+        D=d, R=r, BLOCK_N=block_n, FMT=kf.fmt, COMPILED=not INTERPRETING,
+        num_warps=8 if r * g_pad >= 64 else 4)
