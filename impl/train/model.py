@@ -394,6 +394,12 @@ class TrainModel(nn.Module):
     def trunk_parameters(self):
         return [p for n, p in self.named_parameters() if not n.startswith("mtp_")]
 
+    def index_parameters(self):
+        """The trunk's QSA index: its projections (qI, kI, wI) and the kI norm."""
+        index = ("w_qI", "w_kI", "w_wI", "kI_norm")
+        return [p for n, p in self.named_parameters()
+                if not n.startswith("mtp_") and n.rsplit(".", 1)[-1] in index]
+
     def mtp_parameters(self):
         return [p for n, p in self.named_parameters() if n.startswith("mtp_")]
 

@@ -61,6 +61,10 @@ class Extension(BaseModel):
     index_answer_weight: float = Field(0.0, ge=0, description="extra weight of the answer rows "
                                        "(rows whose next token is taught) in the index loss: row "
                                        "weight 1 + this; 0 keeps the plain mean over rows")
+    learn: Literal["trunk", "index"] = Field(
+        "trunk", description="what learns: the whole trunk, or only the QSA index (its projections "
+        "and norm, from the index loss alone; every other trunk weight stays as it is, so the model "
+        "changes only through which blocks the index selects)")
 
     def data(self, base: DataConfig) -> DataConfig:
         fields = ("weights", "retrieval_lengths", "retrieval_queries")
@@ -152,7 +156,10 @@ def trunk_loss(model: TrainModel, batch: Batch, rows: torch.Tensor, tc: TrainCon
     mask = batch.taught[:, 1:]
     ce = (ce * mask).sum() / mask.sum()
     idx = torch.stack([q.index_loss for q in model.qsa_layers()]).mean()
-    loss = ce + tc.index_weight * idx + tc.aux_weight * model.aux_losses()
+    if seg is not None and seg[1].learn == "index":
+        loss = tc.index_weight * idx   # the cross-entropy has no gradient into the index anyway
+    else:
+        loss = ce + tc.index_weight * idx + tc.aux_weight * model.aux_losses()
     return loss, {"ce": float(ce.detach()), "index": float(idx.detach())}
 
 
@@ -230,18 +237,38 @@ class Run:
         if "model" in self.state:
             self.model.load_state_dict(self.state["model"])
         self.opt = self._optimizer()
-        if "optim" in self.state and self.state.get("optim_phase") == self.state["phase"]:
+        if "optim" in self.state and self._saved_learner() == self.learner:
             self.opt.load_state_dict(self.state["optim"])
+
+    def _learner_now(self) -> str:
+        """What the optimiser trains at the current step: 'trunk', 'index' or 'mtp'."""
+        if self.state["phase"] != "trunk":
+            return "mtp"
+        seg = self.tc.extension_at(self.state["step"])
+        return seg[1].learn if seg is not None else "trunk"
+
+    def _saved_learner(self) -> str:
+        # states saved before extensions could train the index alone name only their phase
+        return self.state.get("optim_learner", {"trunk": "trunk"}.get(self.state.get("optim_phase"),
+                                                                       "mtp"))
 
     def _optimizer(self):
         tc = self.tc
-        params = (self.model.trunk_parameters() if self.state["phase"] == "trunk"
-                  else self.model.mtp_parameters())
+        self.learner = self._learner_now()
+        if self.learner == "mtp":
+            params = self.model.mtp_parameters()
+        else:
+            params = (self.model.index_parameters() if self.learner == "index"
+                      else self.model.trunk_parameters())
+            # frozen weights take no gradient, so the index loss's backward stops at the index
+            chosen = {id(p) for p in params}
+            for p in self.model.trunk_parameters():
+                p.requires_grad_(id(p) in chosen)
         return torch.optim.AdamW(params, lr=tc.lr, betas=(0.9, 0.95), weight_decay=tc.weight_decay)
 
     def save(self) -> None:
         self.state.update(model=self.model.state_dict(), optim=self.opt.state_dict(),
-                          optim_phase=self.state["phase"])
+                          optim_phase=self.state["phase"], optim_learner=self.learner)
         tmp = self.dir / (STATE + ".tmp")
         torch.save(self.state, tmp)
         tmp.replace(self.dir / STATE)
@@ -276,7 +303,8 @@ class Run:
                 self._next_phase()
                 continue
             if phase == "trunk":
-                self.model.train()
+                # training mode updates the quantisers' calibration maxima: not the index's to move
+                self.model.train(self._learner_now() != "index")
             else:
                 self.model.eval()
                 self.model.mtp_layer.train()
@@ -287,6 +315,9 @@ class Run:
                 return False
             for batch, rows in self._batches(phase, self.state["step"], total, workers):
                 step = self.state["step"]
+                if self._learner_now() != self.learner:   # an extension that trains another part
+                    self.opt = self._optimizer()
+                    self.model.train(self.learner != "index")
                 if phase == "trunk" and step == qat_from and qat_from > 0:
                     self.model.reset_calibration()
                     self.model.set_qat(True)
@@ -298,11 +329,13 @@ class Run:
                     g["lr"] = _lr(tc, step, total, peak, phase)
                 fn = trunk_loss if phase == "trunk" else mtp_loss
                 loss, stats = fn(self.model, batch, rows, tc, step)
-                self.opt.zero_grad(set_to_none=True)
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups
-                                                for p in g["params"]], tc.grad_clip)
-                self.opt.step()
+                # an index-only step over short contexts has no candidate block to learn from
+                if loss.requires_grad:
+                    self.opt.zero_grad(set_to_none=True)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_([p for g in self.opt.param_groups
+                                                    for p in g["params"]], tc.grad_clip)
+                    self.opt.step()
                 self.state["step"] = step + 1
                 done_here += 1
                 entry = {"phase": phase, "step": step, "task": batch.task, "loss": float(loss.detach()),

@@ -223,3 +223,59 @@ def test_answer_weighted_index_loss_moves_the_index_loss():
     _, answered = trunk_loss(model, batch, None, weighted, step)
     assert plain["ce"] == answered["ce"]
     assert plain["index"] > 0 and answered["index"] > 0 and plain["index"] != answered["index"]
+
+
+def test_an_index_only_extension_moves_only_the_index_then_the_trunk_learns_again(unbroken, tmp_path):
+    """``learn="index"``: the steps of that extension change the trunk's QSA index weights and
+    nothing else of the trunk (every other weight and calibration buffer bit for bit); a run resumed
+    inside it still trains the index alone; the extension after it, in the same call, trains the
+    whole trunk again."""
+    from impl.train.train_tiny import Extension
+    run, *_ = unbroken
+    torch.save(run.state | {"model": run.model.state_dict()}, tmp_path / "state.pt")
+    resumed = Run(tmp_path, SMALL, "cpu")
+    index_only = Extension(steps=2, lr=1e-2, warmup=0, weights={"retrieval": 1.0},
+                           retrieval_lengths=(256,), index_answer_weight=10.0, learn="index",
+                           mtp_steps=0)
+    whole = Extension(steps=1, lr=1e-3, warmup=0, weights={"mqar": 1.0}, mtp_steps=0)
+    resumed.extend(index_only, whole)
+    names = {id(p): n for n, p in resumed.model.named_parameters()}
+    index = {names[id(p)] for p in resumed.model.index_parameters()}
+    assert index and all(".mixer." in n and not n.startswith("mtp_") for n in index)
+    before = {n: t.clone() for n, t in resumed.model.state_dict().items()}
+
+    assert resumed.train(math.inf, max_steps=1) is False            # stops inside the extension
+    again = Run(tmp_path, None, "cpu")                              # and resumes there
+    assert again.learner == "index"
+    assert again.train(math.inf, max_steps=1) is False
+    after = again.model.state_dict()
+    moved = {n for n in before if not torch.equal(before[n], after[n])}
+    assert moved == index                                           # the index learned, alone
+
+    middle = {n: t.clone() for n, t in after.items()}
+    assert again.train(math.inf) is True                            # the switch inside one call
+    final = again.model.state_dict()
+    moved = {n for n in middle if not torch.equal(middle[n], final[n])}
+    trunk = {n for n, _ in again.model.named_parameters() if not n.startswith("mtp_")}
+    assert trunk - index <= moved                                  # every trunk weight learns again
+
+
+def test_an_index_only_step_without_candidate_blocks_is_a_no_op(unbroken, tmp_path, monkeypatch):
+    """A batch on which no row has more candidate blocks than it selects (short contexts: MQAR and
+    arithmetic at the tiny geometry) gives a constant index loss, hence no gradient: an index-only
+    step over it passes without moving a weight instead of failing in the backward."""
+    import impl.train.model as train_model
+    from impl.train.train_tiny import Extension
+    run, *_ = unbroken
+    torch.save(run.state | {"model": run.model.state_dict()}, tmp_path / "state.pt")
+    resumed = Run(tmp_path, SMALL, "cpu")
+    resumed.extend(Extension(steps=1, lr=1e-2, warmup=0, weights={"mqar": 1.0}, learn="index",
+                             mtp_steps=0))
+    # what index_kl returns when no row chooses (this small config's contexts do choose)
+    monkeypatch.setattr(train_model, "index_kl", lambda q, k, scores, *a, **kw: scores.new_zeros(()))
+    before = {n: t.clone() for n, t in resumed.model.state_dict().items()}
+    seen = []
+    assert resumed.train(math.inf, on_step=lambda r, e: seen.append(e)) is True
+    assert [e["phase"] for e in seen] == ["trunk"] and seen[0]["index"] == 0.0
+    after = resumed.model.state_dict()
+    assert all(torch.equal(before[n], after[n]) for n in before)
