@@ -118,11 +118,13 @@ class QSA(nn.Module):
     def forward(self, u: torch.Tensor, cfg: ModelConfig, *, attention: str = "sparse",
                 shared: torch.Tensor | None = None, index_loss: bool = False,
                 index_rows: torch.Tensor | None = None,
+                index_margin: tuple[torch.Tensor, float] | None = None,
                 chain: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
                 ) -> torch.Tensor:
         """``chain``: this is draft step j = len(chain) + 1 >= 2 of every row at once (see
         ``attend_chain``); chain[0] holds step 1's (k, v, block keys), chain[i] step i + 1's.
-        ``index_rows``: per-row weights [B, T] of the index loss (``index_kl``)."""
+        ``index_rows``: per-row weights [B, T] of the index loss (``index_kl``); ``index_margin``:
+        (rows [B, T] bool, margin) of its ranking hinge."""
         B, T, _ = u.shape
         pos = torch.arange(T, device=u.device)
         q, gate, k, v, qI, kI, wI = self.project(u, pos, cfg)
@@ -142,8 +144,8 @@ class QSA(nn.Module):
             o = attend_chain(q, [(c[0], c[1]) for c in chain] + [(k, v)], mask, pos)
         else:
             o = attend(q, k, v, mask)
-        self.index_loss = index_kl(q, k, scores, cand, cfg.top_k_blocks, weights=index_rows) \
-            if index_loss else None
+        self.index_loss = index_kl(q, k, scores, cand, cfg.top_k_blocks, weights=index_rows,
+                                   margin=index_margin) if index_loss else None
         o = o * torch.sigmoid(gate)
         return o.reshape(B, T, -1) @ self.w_o.T
 
@@ -263,12 +265,17 @@ def dense_block_mass(q, k, nb: int, chunk: int = 512, first: int = 0) -> torch.T
 
 
 def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512,
-             weights: torch.Tensor | None = None) -> torch.Tensor:
+             weights: torch.Tensor | None = None,
+             margin: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """KL(dense attention's block mass || softmax of index scores) over candidate blocks, averaged
     over the rows with more than ``top_k`` candidates (the rows where selection chooses); with
     ``weights`` [B, T], their weighted mean. Weights exist because a plain mean is ruled by filler:
     in an 8K retrieval context the rows that answer are about 1 % of the rows, and an index that
-    fits the filler rows' diffuse targets can still miss the record block on the rows that read it."""
+    fits the filler rows' diffuse targets can still miss the record block on the rows that read it.
+
+    ``margin`` = (rows [B, T] bool, m) adds, averaged over those rows where selection chooses, the
+    ranking hinge ``selection_hinge``: the KL rewards probability mass, while the selection needs only
+    the target's peak block among its top_k."""
     nb = scores.shape[-1]
     rows = cand.sum(-1) > top_k
     if not bool(rows.any()):
@@ -281,9 +288,31 @@ def index_kl(q, k, scores, cand, top_k: int, chunk: int = 512,
     logq = torch.log_softmax(scores.masked_fill(~cand[None], float("-inf")), -1)
     kl = (target * (torch.log(target.clamp_min(1e-20)) - logq.masked_fill(~cand[None], 0.0))).sum(-1)
     if weights is None:
-        return kl[:, rows].mean()
-    w = weights * rows[None]
-    return (kl * w).sum() / w.sum().clamp_min(1e-20)
+        loss = kl[:, rows].mean()
+    else:
+        w = weights * rows[None]
+        loss = (kl * w).sum() / w.sum().clamp_min(1e-20)
+    if margin is not None:
+        hinge_rows, m = margin
+        hinge_rows = hinge_rows & rows[None]
+        if bool(hinge_rows.any()):
+            hinge = selection_hinge(scores, cand, target.argmax(-1), top_k, m)
+            loss = loss + hinge[hinge_rows].mean()
+    return loss
+
+
+def selection_hinge(scores, cand, peak, top_k: int, m: float) -> torch.Tensor:
+    """relu(m - (s_peak - s_kth)) per row [B, T]: s_kth is the top_k-th largest index score among the
+    other candidate blocks, so the hinge is zero exactly when the ``peak`` block [B, T] outranks all
+    but top_k - 1 of them by at least m (selected with a margin). Rows with at most top_k candidates
+    give 0 (nothing to outrank)."""
+    s = scores.masked_fill(~cand[None], float("-inf"))
+    s_peak = s.gather(-1, peak[..., None])[..., 0]
+    others = s.scatter(-1, peak[..., None], float("-inf"))
+    kth = others.topk(top_k, -1).values[..., -1]
+    both = torch.isfinite(kth) & torch.isfinite(s_peak)   # a peak outside the candidates: no hinge
+    gap = torch.where(both, s_peak - kth, torch.full_like(s_peak, float("inf")))
+    return torch.relu(m - gap)
 
 
 class MoE(nn.Module):
@@ -425,9 +454,11 @@ class TrainModel(nn.Module):
 
     def forward(self, ids: torch.Tensor, rows: torch.Tensor | None = None, *,
                 attention: str = "sparse", index_loss: bool = False,
-                index_rows: torch.Tensor | None = None):
+                index_rows: torch.Tensor | None = None,
+                index_margin: tuple[torch.Tensor, float] | None = None):
         """Trunk over ids [B, T]: (logits [B, T, V], hidden m [B, T, C]); ``index_rows``: the index
-        loss's row weights [B, T] (see ``index_kl``)."""
+        loss's row weights [B, T], ``index_margin``: its ranking hinge's rows and margin (see
+        ``index_kl``)."""
         rows = self.ngram_rows(ids).to(ids.device) if rows is None else rows
         x = self.embed[ids]
         e = self.ple_embed(ids, rows, x)
@@ -435,7 +466,7 @@ class TrainModel(nn.Module):
         m = x
         for li, layer in enumerate(self.layers):
             X, m = layer(X, e[:, :, li], self.cfg, attention=attention, index_loss=index_loss,
-                         index_rows=index_rows)
+                         index_rows=index_rows, index_margin=index_margin)
         return self.read_out(m), m
 
     def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, *, attention: str = "sparse",

@@ -61,6 +61,10 @@ class Extension(BaseModel):
     index_answer_weight: float = Field(0.0, ge=0, description="extra weight of the answer rows "
                                        "(rows whose next token is taught) in the index loss: row "
                                        "weight 1 + this; 0 keeps the plain mean over rows")
+    index_margin: float = Field(0.0, ge=0, description="a ranking hinge added to the index loss on "
+                                "the answer rows: relu(margin - (s_peak - s_kth)), s_peak the index "
+                                "score of the dense attention's peak block, s_kth the top_k-th best "
+                                "other candidate's (impl.train.model.selection_hinge); 0: off")
     learn: Literal["trunk", "index"] = Field(
         "trunk", description="what learns: the whole trunk, or only the QSA index (its projections "
         "and norm, from the index loss alone; every other trunk weight stays as it is, so the model "
@@ -144,12 +148,14 @@ def trunk_loss(model: TrainModel, batch: Batch, rows: torch.Tensor, tc: TrainCon
         attention = seg[1].attention
     else:
         attention = "dense" if step < tc.dense_frac * tc.trunk_steps else "sparse"
-    index_rows = None
+    index_rows = index_margin = None
+    answers = F.pad(batch.taught[:, 1:], (0, 1))      # row t answers when token t + 1 is taught
     if seg is not None and seg[1].index_answer_weight > 0:
-        # row t answers when token t + 1 is taught
-        answers = F.pad(batch.taught[:, 1:], (0, 1)).float()
-        index_rows = 1.0 + seg[1].index_answer_weight * answers
-    logits, _ = model(batch.ids, rows, attention=attention, index_loss=True, index_rows=index_rows)
+        index_rows = 1.0 + seg[1].index_answer_weight * answers.float()
+    if seg is not None and seg[1].index_margin > 0:
+        index_margin = (answers, seg[1].index_margin)
+    logits, _ = model(batch.ids, rows, attention=attention, index_loss=True, index_rows=index_rows,
+                      index_margin=index_margin)
     target = batch.ids[:, 1:]
     ce = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), target.reshape(-1),
                          reduction="none").view_as(target)

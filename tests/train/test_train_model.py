@@ -139,3 +139,49 @@ def test_index_loss_row_weights_reweight_the_mean_over_choosing_rows():
     early = torch.zeros(2, T)
     early[:, :150] = 1.0
     assert torch.all(loss(early) == 0)
+
+
+def test_selection_hinge_is_zero_exactly_when_the_peak_is_selected_with_the_margin():
+    """With top_k = 2 the peak block must outrank every other candidate but one by the margin: the
+    hinge is m - (s_peak - s_2nd_other) below that, 0 above; non-candidates and rows with at most
+    top_k candidates never count; its gradient raises the peak and lowers the competitor."""
+    from impl.train.model import selection_hinge
+    cand = torch.tensor([[False, True, True, True, True],      # 4 candidates: chooses
+                         [False, True, True, False, False]])   # 2 candidates: nothing to outrank
+    scores = torch.tensor([[[9.0, 1.0, 5.0, 3.0, 2.5],     # peak 2 leads 2nd other (3.0) by 2.0
+                            [9.0, 1.0, 3.2, 5.0, 3.0],     # peak 2 leads 2nd other (3.0) by 0.2
+                            [9.0, 4.0, 0.0, 5.0, 3.0],     # peak 2 ranks last: gap -4
+                            [0.0, 0.0, 0.0, 0.0, 0.0]]], requires_grad=True)
+    peak = torch.tensor([[2, 2, 2, 0]])                     # row 3: the sink, not a candidate
+    rows = torch.tensor([[0, 0, 0, 0]])
+    h = selection_hinge(scores, cand[rows[0]], peak, 2, 1.0)
+    assert h.shape == (1, 4)
+    assert h[0, 0] == 0.0 and h[0, 3] == 0.0                # selected with margin; peak not a candidate
+    assert torch.isclose(h[0, 1], torch.tensor(0.8)) and torch.isclose(h[0, 2], torch.tensor(5.0))
+    h.sum().backward()
+    g = scores.grad[0]
+    assert g[1, 2] == -1 and g[1, 4] == 1 and g[1, 3] == 0  # up the peak, down the 2nd other (3.0)
+    assert g[2, 2] == -1 and g[2, 1] == 1                   # the 2nd other there is block 1 (4.0)
+    assert torch.all(g[:, 0] == 0)                          # the sink is never a candidate
+    few = selection_hinge(scores.detach()[:, :2], cand[1:2].expand(1, 5), peak[:, :2], 2, 1.0)
+    assert torch.all(few == 0)                              # one other candidate: nothing to outrank
+
+
+def test_index_margin_adds_the_hinge_on_its_rows_only():
+    """index_kl with a margin on no row equals the plain loss; on the last row it adds that row's
+    hinge, which the margin sets: a larger margin never lowers it."""
+    model = TrainModel(TINY, seed=3)
+    model.train()
+    ids = torch.randint(4, 256, (2, T), generator=torch.Generator().manual_seed(4))
+
+    def loss(rows, m):
+        model(ids, index_loss=True, index_margin=None if rows is None else (rows, m))
+        return torch.stack([q.index_loss.detach() for q in model.qsa_layers()])
+
+    plain = loss(None, 0.0)
+    none = torch.zeros(2, T, dtype=torch.bool)
+    assert torch.equal(loss(none, 1.0), plain)
+    last = none.clone()
+    last[:, T - 1] = True
+    small, large = loss(last, 0.5), loss(last, 50.0)
+    assert torch.all(large > plain) and torch.all(large >= small) and torch.all(small >= plain)

@@ -279,3 +279,22 @@ def test_an_index_only_step_without_candidate_blocks_is_a_no_op(unbroken, tmp_pa
     assert [e["phase"] for e in seen] == ["trunk"] and seen[0]["index"] == 0.0
     after = resumed.model.state_dict()
     assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_an_extensions_index_margin_reaches_the_index_loss():
+    """``index_margin`` adds the ranking hinge on the answer rows: the same batch at the same weights
+    reads a larger index loss with it, and the same cross-entropy."""
+    from impl.train.model import TrainModel
+    from impl.train.train_tiny import Extension, trunk_loss
+    from spec.config import ModelConfig
+    model = TrainModel(ModelConfig.tiny(), seed=SMALL.seed)
+    ext = dict(steps=1, lr=1e-3, weights={"retrieval": 1.0}, retrieval_lengths=(512,))
+    base = SMALL.model_copy(update={"extensions": (Extension(**ext),)})
+    hinged = SMALL.model_copy(update={"extensions": (Extension(**ext, index_margin=100.0),)})
+    step = SMALL.trunk_steps
+    batch = make_batch(SMALL.seed, "trunk", step, base.data_at("trunk", step))
+    model.train()
+    _, plain = trunk_loss(model, batch, None, base, step)
+    _, with_margin = trunk_loss(model, batch, None, hinged, step)
+    assert plain["ce"] == with_margin["ce"]
+    assert with_margin["index"] > plain["index"] + 1.0     # a 100-wide margin is far from met
