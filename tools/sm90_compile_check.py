@@ -9,20 +9,23 @@ through the real nvidia backend and its bundled ptxas; the launch itself is a no
 garbage and only compilation is checked.
 
     python tools/sm90_compile_check.py [--triton-site DIR] [--op OP ...] [--any-arch]
-                                       [--module-from MODULE=PATH ...] [-v]
+                                       [--module-from MODULE=PATH ...] [-v] [--sass]
 
 ``--triton-site DIR`` puts DIR first on sys.path before triton is imported (the GPU's triton version,
-see docs/gpu.md). Exit status 1 when any target fails to compile. See docs/gpu.md for the limits.
+see docs/gpu.md). ``--sass`` prints each new binary's registers, spills and SASS instruction mix.
+Exit status 1 when any target fails to compile. See docs/gpu.md for the limits.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import sys
 import tempfile
 import time
 import traceback
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -68,6 +71,44 @@ H200_PROPS: dict[str, int] = {"max_shared_mem": 232448, "max_num_regs": 65536, "
 
 
 # ---------------------------------------------------------------------------------------------------
+# --sass: what the binary will do on the GPU, read without one
+# ---------------------------------------------------------------------------------------------------
+
+# SASS opcodes worth counting when a kernel is latency- or shared-memory-bound: global loads (LDG),
+# cp.async (LDGSTS), shared loads and stores (LDS, STS, LDSM = ldmatrix, STSM = stmatrix), local
+# memory (LDL / STL: register spills), tensor-core MMAs (HMMA: mma.sync; HGMMA: the warp-group
+# wgmma), shuffles, barriers, byte permutes
+# and packed conversions.
+SASS_OPS = ("LDG", "LDGSTS", "LDS", "LDSM", "STS", "STSM", "LDL", "STL", "HMMA", "HGMMA", "SHFL", "BAR",
+            "PRMT", "F2FP")
+_RESOURCES = re.compile(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
+_OPCODE = re.compile(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P[0-7T]\s+)?([A-Z][A-Z0-9]*)")
+
+
+def _cuda_tool(name: str) -> str:
+    return str(Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name)
+
+
+def sass_summary(cubin: bytes) -> str:
+    """Registers, stack and local bytes (cuobjdump --dump-resource-usage), the SASS instruction count
+    and the count of each of ``SASS_OPS`` (nvdisasm), with the tools Triton bundles."""
+    import subprocess
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([_cuda_tool("cuobjdump"), "--dump-resource-usage", f.name],
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([_cuda_tool("nvdisasm"), "-c", f.name], capture_output=True,
+                              text=True).stdout
+    m = _RESOURCES.search(usage)
+    res = (f"{m[1]} registers, stack {m[2]} B, local {m[4]} B" if m
+           else "resources unreadable")
+    ops = Counter(_OPCODE.findall(sass))
+    mix = " ".join(f"{op} {ops[op]}" for op in SASS_OPS if ops[op])
+    return f"{res}; {sum(ops.values())} SASS instructions: {mix}"
+
+
+# ---------------------------------------------------------------------------------------------------
 # The stand-in driver
 # ---------------------------------------------------------------------------------------------------
 
@@ -78,9 +119,12 @@ class Recorder:
 
     launched: list[str] = field(default_factory=list)
     compiling: str | None = None
+    sass: bool = False                 # --sass: read each new binary's resources and SASS mix
+    loaded: list[str] = field(default_factory=list)   # one line per binary loaded for this target
 
     def reset(self) -> None:
         self.launched.clear()
+        self.loaded.clear()
         self.compiling = None
 
 
@@ -104,6 +148,8 @@ class _Utils:
     def load_binary(self, name: str, kernel: bytes, shared: int, device: int) -> tuple:
         # (module, function, n_regs, n_spills, n_max_threads): a non-None module so Triton loads once;
         # 1024 threads per block, the H200's limit, so the num_warps check stays real.
+        if RECORDER.sass:
+            RECORDER.loaded.append(f"{name}: shared {shared} B, {sass_summary(kernel)}")
         return object(), 0, 0, 0, 1024
 
     def unload_module(self, module: Any) -> None:
@@ -316,7 +362,11 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--module-from", action="append", default=[], metavar="MODULE=PATH",
                     help="check the module file PATH in place of MODULE (repeatable)")
     ap.add_argument("-v", "--verbose", action="store_true", help="print the kernels of OK targets")
+    ap.add_argument("--sass", action="store_true",
+                    help="for each binary a target loads first: registers, stack and local (spill) "
+                    "bytes, shared memory, and its SASS instruction mix (loads, stores, MMAs, ...)")
     args = ap.parse_args(argv)
+    RECORDER.sass = args.sass
     install_driver()
     for spec in args.module_from:
         load_module_from(spec)
@@ -331,6 +381,8 @@ def main(argv: list[str]) -> int:
         print(f"{r.status:<13} {r.target}  ({len(r.kernels)} kernels, {r.seconds:.1f}s){detail}", flush=True)
         if r.message:
             print("    " + r.message.replace("\n", "\n    "), flush=True)
+        for line in RECORDER.loaded:
+            print("    " + line, flush=True)
     counts = {s: sum(r.status == s for r in results) for s in ("OK", "FAIL", "NOT CHECKABLE")}
     print(f"{len(results)} targets: {counts['OK']} OK, {counts['FAIL']} FAIL, "
           f"{counts['NOT CHECKABLE']} not checkable ({time.perf_counter() - start:.0f}s)")
