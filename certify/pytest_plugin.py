@@ -28,6 +28,7 @@ from certify.harness import certify_cell, certifying_problem
 from certify.paths import project_paths
 from certify.plan import Target, targets
 from certify.receipts import make_receipt, write_receipts
+from certify.requirements import why_skipped
 from certify.schema import TIERS
 
 UNIVERSE = pytest.StashKey[list]()  # the item records of a session that collected the whole suite
@@ -104,6 +105,9 @@ class CertifyItem(pytest.Item):
         t = self.target
         if t.arch not in present_archs():
             pytest.skip(f"arch {t.arch} is not on this machine (have {', '.join(present_archs())})")
+        reason = why_skipped(t.variant)
+        if reason:
+            pytest.skip(reason)
         outcome = certify_cell(t.op, t.variant.name, t.cell, t.arch)
         receipts_dir = self.config.getoption("--certify-receipts")
         if receipts_dir:

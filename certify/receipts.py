@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict
 
 from certify.harness import Outcome
 from certify.paths import project_paths
+from certify.requirements import versions as required_versions
 from certify.schema import Cell, OpFile
 
 _FRAMEWORK_ORACLE_MODULES = ("certify.oracles", "certify.harness")
@@ -135,8 +136,8 @@ def make_receipt(op: OpFile, variant: str, cell: Cell, arch: str, outcome: Outco
     return Receipt(op=op.op, variant=variant, cell=cell.id, arch=arch, status=outcome.status,
                    metrics={k: round(v, 4) for k, v in outcome.metrics.items()},
                    message=outcome.message[:2000], hash=content_hash(op, variant, cell),
-                   versions=library_versions(), date=dt.date.today().isoformat(),
-                   seconds=round(outcome.seconds, 3))
+                   versions=library_versions() | required_versions(op.variant(variant)),
+                   date=dt.date.today().isoformat(), seconds=round(outcome.seconds, 3))
 
 
 def load_receipts(receipts_dir: Path) -> dict[str, dict[tuple[str, str, str], Receipt]]:

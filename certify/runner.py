@@ -4,6 +4,7 @@ and merge the receipts."""
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -13,6 +14,7 @@ from certify.catalog import Catalog
 from certify.harness import certify_cell
 from certify.plan import Target, targets
 from certify.receipts import Receipt, freshness, load_receipts, make_receipt, write_receipts
+from certify.requirements import why_skipped
 
 
 def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | None = None,
@@ -37,7 +39,9 @@ def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | No
 
 def run_targets(chosen: list[Target], receipts_dir: Path | None, show_progress: bool = True
                 ) -> list[Receipt]:
-    """Run each target, write receipts (when a directory is given), return them."""
+    """Run each target, write receipts (when a directory is given), return them. A target whose
+    variant requires a package that is not installed here is skipped, said on stderr, and leaves no
+    receipt: its last receipt (made where the package was) stands."""
     out: list[Receipt] = []
     disable = not show_progress or os.environ.get("CI") == "true"
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -46,6 +50,11 @@ def run_targets(chosen: list[Target], receipts_dir: Path | None, show_progress: 
         task = progress.add_task("certifying", total=len(chosen))
         for t in chosen:
             progress.update(task, description=f"{t.op.op} {t.variant.name} {t.cell.id} {t.arch}")
+            reason = why_skipped(t.variant)
+            if reason:
+                print(f"skipped {t.name}: {reason}", file=sys.stderr)
+                progress.advance(task)
+                continue
             outcome = certify_cell(t.op, t.variant.name, t.cell, t.arch)
             out.append(make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome))
             progress.advance(task)

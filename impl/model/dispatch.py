@@ -23,6 +23,7 @@ from typing import Any, Callable
 from certify.catalog import Catalog
 from certify.harness import resolve
 from certify.rules import RuleError, evaluate
+from certify.requirements import missing
 from certify.schema import OpFile, Variant
 
 
@@ -68,7 +69,9 @@ class Dispatcher:
 
     def candidates(self, name: str) -> list[Variant]:
         """The variants of ``name`` this dispatcher may choose, in file order."""
-        runnable = [v for v in self.op(name).variants if self.arch in v.archs]
+        # a variant that calls a peer package is a candidate only where that package is installed
+        runnable = [v for v in self.op(name).variants
+                    if self.arch in v.archs and not missing(v)]
         if self.batch_invariant:
             runnable = [v for v in runnable if v.impl == "spec"]
         return runnable

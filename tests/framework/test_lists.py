@@ -91,13 +91,17 @@ def test_shrinking_the_premerge_budget_moves_out_low_risk_per_second_first(inp):
             leave = sum(by[i].risk for i in out) / sum(by[i].cost for i in out)
             stay = sum(i.risk for i in kept) / sum(i.cost for i in kept)
             assert leave <= stay, (row["budget"], leave, stay)
-    # the coverage lost per budget step grows as the budget shrinks (the cheap risk goes last). Per
-    # equal budget step, not per second of cost saved: the relaxed (fractional) optimum is concave in
-    # the budget, so its equal-step losses never shrink, while the cost a 0/1 selection actually
-    # saves per step varies with the budget it leaves unused (55.9 s against 56.0 s per 56 s step
-    # here), which can reorder per-second rates of two steps that lose the same risk.
+    # The coverage lost per equal budget step grows as the budget shrinks (the cheap risk goes last),
+    # up to what a 0/1 selection can differ from the relaxed one. The relaxed (fractional) optimum
+    # F(B) is concave in the budget, so its equal-step losses never shrink; the exact 0/1 optimum
+    # V(B) lies in [F(B) - r, F(B)], r the largest risk of one item the knapsack may leave out. So
+    # each step's loss is at most the next step's plus 2 r. The bound is provable, not tuned: with
+    # the durations of 2026-11-30 the first step lost 6.74 and the second 6.46 (r = 12.5), which a
+    # plain sorted() comparison refused although both selections are optimal.
     lost = [prev["risk"] - row["risk"] for prev, row in zip(rows[:-2], rows[1:-1])]
-    assert lost == sorted(lost)
+    r = max(i.risk for i in by.values() if not i.mandatory)
+    assert all(a <= b + 2 * r for a, b in zip(lost, lost[1:])), (lost, r)
+    assert lost[-1] >= lost[0]      # over the whole sweep the loss per step grows
 
 
 # A hand-written pre-merge list: what a person would pick within the same budget. The mandatory
