@@ -72,8 +72,9 @@ def load_kv_tile_bf16(pool, slot, valid, D: tl.constexpr):
 
 # The fp16 bits of the e2m1 magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6 are 0x0000, 0x3800 ... 0x4600,
 # each with a zero low byte: their high bytes, in order, are the 8-byte table
-# {0x3E3C3800, 0x46444240} that ``prmt`` indexes with a nibble. $4 holds 4 packed bytes (8 codes: byte i = hi_i << 4 | lo_i); $5 / $6 the
-# fp16 block scales of bytes 0-1 / 2-3; $0 / $1 the fp16 values lo_0 lo_1 / lo_2 lo_3 (even elements),
+# {0x3E3C3800, 0x46444240} that ``prmt`` indexes with a nibble. $4 holds 4 packed bytes (8 codes:
+# byte i = hi_i << 4 | lo_i); $5 / $6 the fp16 block scales of bytes 0-1 / 2-3; $0 / $1 the fp16
+# values lo_0 lo_1 / lo_2 lo_3 (even elements),
 # $2 / $3 hi_0 hi_1 / hi_2 hi_3 (odd elements). Per 2 bytes: mask the sign bits off (the nibbles of
 # the low half-word are then the selector), look the 4 high bytes up, spread them into two fp16x2
 # words (low bytes zero), take each sign from bit 7 of a byte of (w << 4) (low nibbles) or of w (high
@@ -121,11 +122,14 @@ def load_kv_tile_f16(pool, pool_sf, slot, valid, FMT: tl.constexpr, D: tl.conste
             return e4m3_to_f32(c).to(tl.float16)
     else:
         # [N, D/16, 8] bytes: the 8 bytes of one 16-element scale block on the last axis, so the
-        # block's scale broadcasts along it
+        # block's scale broadcasts along it. Loaded as a 2-D [N, D/2] tile and reshaped: a 3-D load
+        # puts the lanes along the tokens, and the decoded tile then reaches shared memory one fp16
+        # at a time (token-major); the 2-D load's layout is d-major, stored in vectors and read back
+        # by ldmatrix (the H200 decode step: 195 -> 162 us, docs/gpu.md)
         gi = tl.arange(0, D // 16)
-        j = tl.arange(0, 8)
-        packed = tl.load(pool + slot[:, None, None] * (D // 2) + gi[None, :, None] * 8
-                         + j[None, None, :], mask=valid[:, None, None], other=0)
+        b = tl.arange(0, D // 2)
+        packed = tl.load(pool + slot[:, None] * (D // 2) + b[None, :], mask=valid[:, None], other=0)
+        packed = tl.reshape(packed, (BLOCK_N, D // 16, 8))
         sf = tl.load(pool_sf + slot[:, None] * (D // 16) + gi[None, :], mask=valid[:, None], other=0)
         if HW:
             sf16 = tl.broadcast_to(sf.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],

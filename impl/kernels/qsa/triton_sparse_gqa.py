@@ -31,7 +31,7 @@ Launch shapes (``_DECODE_SHAPE``: tile, warps, pipeline stages, programs per SM)
 the 36-shape grid that ``bench/qsa_sparse_gqa.py --shapes`` timed on the H200
 (reports/bench/qsa_sparse_gqa_shapes.md): two warps a program throughout; bf16 pages in 32-token
 tiles through a 3-stage software pipeline (cp.async), fp8 in 64-token tiles through 2 stages, nvfp4
-in 32-token tiles unpipelined.
+in 32-token tiles through 2 stages (fastest once its bytes were loaded as a 2-D tile, kv_tiles.py).
 """
 
 from __future__ import annotations
@@ -248,7 +248,7 @@ def _nvfp4_group_pad(g: int) -> int:
 
 # Decode launch shape per page format on a GPU: (tokens a tile, warps, pipeline stages, programs per
 # SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, docs/gpu.md).
-_DECODE_SHAPE = {FMT_BF16: (32, 2, 3, 2), FMT_FP8: (64, 2, 2, 2), FMT_NVFP4: (32, 2, 1, 2)}
+_DECODE_SHAPE = {FMT_BF16: (32, 2, 3, 2), FMT_FP8: (64, 2, 2, 2), FMT_NVFP4: (32, 2, 2, 2)}
 
 
 def _default_splits(rows: int, n_kv: int, tiles: int, device: torch.device, per_sm: int = 4) -> int:
