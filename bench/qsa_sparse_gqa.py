@@ -1,5 +1,6 @@
-"""Benchmark the QSA sparse GQA decode step: the Triton split-K variant against the KV-bytes floor and
-a torch eager peer (gather + SDPA), for bf16, fp8 and nvfp4 KV.
+"""Benchmark the QSA sparse GQA decode step: the split-K variants (triton_decode for every page format,
+gluon_decode for nvfp4 pages) against the KV-bytes floor and a torch eager peer (gather + SDPA), for
+bf16, fp8 and nvfp4 KV; the table marks the variant the sm_90 dispatch rules choose per format.
 
 Run on the GPU machine from the repository root:
     python3 bench/qsa_sparse_gqa.py [--out DIR]
@@ -29,6 +30,8 @@ from certify.oracles import tolerance
 from certify.paths import project_paths
 from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4
 from impl.kernels.qsa.triton_sparse_gqa import _DECODE_SHAPE, triton_decode
+from certify.catalog import load_catalog
+from certify.rules import evaluate
 from spec.ops.kv_storage import fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load, nvfp4_quantize
 from spec.ops.qsa import qsa_sparse_gqa
 
@@ -99,11 +102,12 @@ def torch_peer(inp: dict):
     return call
 
 
-def check(inp: dict, rows: int = 4) -> float:
-    """Max ulp of the Triton output against the float64 spec on the first ``rows`` rows."""
+def check(inp: dict, rows: int = 4, fn=None) -> float:
+    """Max ulp of a decode variant's output (default triton_decode) against the float64 spec on the
+    first ``rows`` rows."""
     sub = dict(inp, **{n: inp[n][:rows].contiguous() for n in ("q", "gate", "tokens", "seq_ids")})
     out = torch.full_like(sub["q"], float("nan"))
-    triton_decode(**sub, out=out)
+    (fn or triton_decode)(**sub, out=out)
     cpu = {n: (v.cpu() if isinstance(v, torch.Tensor) else
                tuple(p.cpu() for p in v) if isinstance(v, tuple) else v) for n, v in sub.items()}
     for n in ("load", "load_v"):
@@ -115,6 +119,26 @@ def check(inp: dict, rows: int = 4) -> float:
     if not v.passed:
         raise SystemExit(f"check failed: {v.problems}")
     return v.metrics["out.ulp"]
+
+
+KV_AXIS = {"bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
+
+
+def decode_variants(kv: str) -> tuple[list[tuple[str, object]], str]:
+    """The decode variants that read ``kv`` pages on sm_90 (name, wrapper), and the one the catalog's
+    dispatch rules choose there (first match in file order, certify/cells/qsa_sparse_gqa.yaml)."""
+    import importlib
+
+    op = load_catalog(project_paths().cells).ops["qsa_sparse_gqa"]
+    axes = {"step": "decode", "kv_dtype": KV_AXIS[kv]}
+    found, chosen = [], None
+    for v in op.variants:
+        if "sm_90" not in v.archs or not evaluate(v.dispatch, axes):
+            continue
+        module, _, name = v.impl.partition(":")
+        found.append((v.name, getattr(importlib.import_module(module), name)))
+        chosen = chosen or v.name
+    return found, chosen
 
 
 SHAPES = [(n, w, s, p) for n in (32, 64) for w in (2, 4, 8) for s in (1, 2, 3) for p in (2, 4)]
@@ -168,16 +192,6 @@ def main() -> None:
     for kv in ("bf16", "fp8", "nvfp4"):
         inp = decode_inputs(128, 64, 256, 24, 2, 256, kv, "cuda")
         print(f"[{time.perf_counter() - t0:.0f}s] {kv}: inputs built", flush=True)
-        ulp = check(inp)
-        print(f"[{time.perf_counter() - t0:.0f}s] {kv}: checked, max ulp {ulp:.2f}", flush=True)
-        out = torch.empty_like(inp["q"])
-        try:
-            us = triton.testing.do_bench_cudagraph(lambda: triton_decode(**inp, out=out), rep=200) * 1e3
-        except Exception as e:  # noqa: BLE001 - a wrapper that syncs cannot be captured: plain launches
-            print(f"graph capture failed ({type(e).__name__}); timing plain launches")
-            torch.cuda.synchronize()
-            us = triton.testing.do_bench(lambda: triton_decode(**inp, out=out), rep=200,
-                                         return_mode="median") * 1e3
         nbytes = kv_bytes(inp)
         floor = nbytes / bw * 1e6
         peer = torch_peer(inp)
@@ -185,23 +199,39 @@ def main() -> None:
             peer_us = f"{triton.testing.do_bench(peer, rep=200, return_mode='median') * 1e3:.1f}"
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             peer_us = f"not run ({type(e).__name__})"
-        if args.shapes:
-            for shp, cell in time_shapes(inp, out, floor).items():
-                shape_rows.setdefault(shp, {})[kv] = cell
-            print(f"[{time.perf_counter() - t0:.0f}s] {kv}: shapes timed", flush=True)
-        lines_rows.append(f"| {kv} | {nbytes / 1e6:.1f} | {floor:.1f} | {us:.1f} | "
-                          f"{floor / us:.0%} | {nbytes / (us * 1e-6) / 1e12:.2f} | {ulp:.2f} | "
-                          f"{peer_us} |")
+        variants, chosen = decode_variants(kv)
+        for name, fn in variants:
+            ulp = check(inp, fn=fn)
+            print(f"[{time.perf_counter() - t0:.0f}s] {kv} {name}: checked, max ulp {ulp:.2f}",
+                  flush=True)
+            out = torch.empty_like(inp["q"])
+            try:
+                us = triton.testing.do_bench_cudagraph(lambda fn=fn, inp=inp, out=out: fn(**inp, out=out), rep=200) * 1e3
+            except Exception as e:  # noqa: BLE001 - a wrapper that syncs cannot be captured
+                print(f"graph capture failed ({type(e).__name__}); timing plain launches")
+                torch.cuda.synchronize()
+                us = triton.testing.do_bench(lambda fn=fn, inp=inp, out=out: fn(**inp, out=out), rep=200,
+                                             return_mode="median") * 1e3
+            if args.shapes and name == "triton_decode":
+                for shp, cell in time_shapes(inp, out, floor).items():
+                    shape_rows.setdefault(shp, {})[kv] = cell
+                print(f"[{time.perf_counter() - t0:.0f}s] {kv}: shapes timed", flush=True)
+            lines_rows.append(f"| {kv} | {name}{' *' if name == chosen else ''} | {nbytes / 1e6:.1f} | "
+                              f"{floor:.1f} | {us:.1f} | {floor / us:.0%} | "
+                              f"{nbytes / (us * 1e-6) / 1e12:.2f} | {ulp:.2f} | {peer_us} |")
+        del inp
+        torch.cuda.empty_cache()
     versions = {"python": platform.python_version(), "torch": torch.__version__,
                 "triton": triton.__version__}
     lines = [f"# QSA sparse GQA decode, {torch.cuda.get_device_name()}, {dt.date.today().isoformat()}",
              "", f"Versions: {versions}. 128 decode rows, 2048 selected keys a row (64 blocks of 32 "
              f"out of 256), 24 q heads / 2 KV heads / head_dim 256. Copy bandwidth (read + write) "
              f"measured in this run: {bw / 1e12:.2f} TB/s. Floor = selected K/V bytes (+ scales) / "
-             "that bandwidth. Times: median of CUDA-graph replays (Triton), median of eager calls "
-             "(peer), microseconds.", "",
-             "| KV | KV MB | floor us | triton_decode us | floor / time | TB/s | max ulp (4 rows) | "
-             "torch gather + SDPA us |", "|---|---|---|---|---|---|---|---|", *lines_rows]
+             "that bandwidth. Times: median of CUDA-graph replays (Triton, Gluon), median of eager "
+             "calls (peer), microseconds. * marks the variant the sm_90 dispatch rules choose for the "
+             "format (certify/cells/qsa_sparse_gqa.yaml).", "",
+             "| KV | variant | KV MB | floor us | us | floor / time | TB/s | max ulp (4 rows) | "
+             "torch gather + SDPA us |", "|---|---|---|---|---|---|---|---|---|", *lines_rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "qsa_sparse_gqa.md").write_text("\n".join(lines) + "\n")
