@@ -8,9 +8,9 @@ e^{G_t - G_i} (q^_t . k^_i) u_i`` and ``S' = e^{G_C} S + sum_i e^{G_C - G_i} k^_
 
 Three launches:
 1. ``_prep_kernel``, one program per (chunk, value head), all chunks in parallel: the gates, the
-   l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D by forward
-   substitution in fp32, then ``(I + A)^{-1} = (I - N + N^2 - N^3) D`` with N = D A_offdiag strictly
-   block-lower, tf32x3 dots).
+   l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D by the
+   product form of their Neumann series, then ``(I + A)^{-1} = (I - N + N^2 - N^3) D`` with
+   N = D A_offdiag strictly block-lower, tf32x3 dots).
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
@@ -119,19 +119,24 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l
     A = tl.where(strict, (beta * rk)[:, None] * rk[None, :] * decay * KK, 0.0)
     tl.store(ai_buf + sq, A)
     tl.debug_barrier()
-    # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once, by forward substitution in fp32:
-    # row i of block X_b is e_i - sum_{j<i} A_b[i, j] X_b[j]
+    # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once
     i4 = tl.arange(0, 4)
     r16 = tl.arange(0, 16)
     off3 = (bh * NT + c).to(tl.int64) * 4096 + (i4[:, None, None] * 16 + r16[None, :, None]) * 64 \
         + i4[:, None, None] * 16 + r16[None, None, :]
     Ad = tl.load(ai_buf + off3)
-    sel = r16[None, :, None]
-    X = tl.where(sel == r16[None, None, :], 1.0, 0.0) + tl.zeros([4, 16, 16], tl.float32)
-    for i in tl.static_range(1, 16):
-        a_i = tl.sum(tl.where(sel == i, Ad, 0.0), axis=1)                 # [4, 16]: A_b[i, :]
-        row = tl.sum(a_i[:, :, None] * X, axis=1)                         # sum_j A_b[i, j] X_b[j, :]
-        X = tl.where(sel == i, tl.where(r16 == i, 1.0, 0.0)[None, None, :] - row[:, None, :], X)
+    # A_b is strictly lower (A_b^16 = 0): (I + A_b)^{-1} = (I - A_b)(I + A_b^2)(I + A_b^4)(I + A_b^8),
+    # six batched 16 x 16 tf32x3 dots for the four blocks at once. The row-by-row forward
+    # substitution it replaces (15 dependent steps of cross-thread reductions and barriers) kept this
+    # kernel at 636 us on the H200 at long_t8192; this form takes 401 us, with the same errors
+    # against float64 on every cell
+    L2 = tl.dot(Ad, Ad, input_precision="tf32x3")
+    L4 = tl.dot(L2, L2, input_precision="tf32x3")
+    L8 = tl.dot(L4, L4, input_precision="tf32x3")
+    X = tl.where(r16[None, :, None] == r16[None, None, :], 1.0, 0.0) - Ad
+    X = X + tl.dot(X, L2, input_precision="tf32x3")
+    X = X + tl.dot(X, L4, input_precision="tf32x3")
+    X = X + tl.dot(X, L8, input_precision="tf32x3")
     tl.debug_barrier()
     tl.store(ai_buf + off3, X)
     tl.debug_barrier()
