@@ -8,9 +8,9 @@ e^{G_t - G_i} (q^_t . k^_i) u_i`` and ``S' = e^{G_C} S + sum_i e^{G_C - G_i} k^_
 
 Three launches:
 1. ``_prep_kernel``, one program per (chunk, value head), all chunks in parallel: the gates, the
-   l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D by the
-   product form of their Neumann series, then ``(I + A)^{-1} = (I - N + N^2 - N^3) D`` with
-   N = D A_offdiag strictly block-lower, tf32x3 dots).
+   l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D_i by the
+   product form of their Neumann series, the blocks below them by block forward substitution, one
+   sub-diagonal at a time; batched 16 x 16 tf32x3 dots throughout).
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
@@ -74,6 +74,13 @@ def _split3_bf16(x):
 
 
 @triton.jit
+def _block_offs(base, bi, bj, r16):
+    """Offsets [4, 16, 16] of the 16 x 16 blocks (bi[b], bj[b]) of a 64 x 64 fp32 matrix at base."""
+    return base + (bi[:, None, None] * 16 + r16[None, :, None]) * 64 + bj[:, None, None] * 16 \
+        + r16[None, None, :]
+
+
+@triton.jit
 def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l2_eps,
                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT: tl.constexpr,
                  TLOAD: tl.constexpr):
@@ -126,10 +133,9 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l
         + i4[:, None, None] * 16 + r16[None, None, :]
     Ad = tl.load(ai_buf + off3)
     # A_b is strictly lower (A_b^16 = 0): (I + A_b)^{-1} = (I - A_b)(I + A_b^2)(I + A_b^4)(I + A_b^8),
-    # six batched 16 x 16 tf32x3 dots for the four blocks at once. The row-by-row forward
-    # substitution it replaces (15 dependent steps of cross-thread reductions and barriers) kept this
-    # kernel at 636 us on the H200 at long_t8192; this form takes 401 us, with the same errors
-    # against float64 on every cell
+    # six batched 16 x 16 tf32x3 dots for the four blocks at once (X[b] = D_b below). With a row-by-row
+    # forward substitution instead (15 dependent steps of cross-thread reductions and barriers) this
+    # kernel took 636 us on the H200 at long_t8192, against 401 us, with the same errors against float64
     L2 = tl.dot(Ad, Ad, input_precision="tf32x3")
     L4 = tl.dot(L2, L2, input_precision="tf32x3")
     L8 = tl.dot(L4, L4, input_precision="tf32x3")
@@ -137,17 +143,44 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l
     X = X + tl.dot(X, L2, input_precision="tf32x3")
     X = X + tl.dot(X, L4, input_precision="tf32x3")
     X = X + tl.dot(X, L8, input_precision="tf32x3")
+    # the rest of (I + A)^{-1} = X by block forward substitution over the 4 x 4 blocks of 16:
+    # X[i, j] = -D_i sum_{k=j}^{i-1} A[i, k] X[k, j], one sub-diagonal at a time (i - j = 1, 2, 3),
+    # each a batch of four 16 x 16 tf32x3 dots over the block rows i (rows i < i - j masked). Blocks
+    # pass between steps through this program's part of ai_buf (A's sub-diagonal blocks are read
+    # first, since X overwrites them). With dense 64 x 64 products of the nilpotent block form
+    # (I - N + N^2 - N^3) D instead, this kernel took 404 us on the H200 at long_t8192 (255 registers);
+    # with this, 249 us (154 registers), with the same errors against float64 on every cell.
+    base = (bh * NT + c).to(tl.int64) * 4096
+    m1 = (i4 >= 1)[:, None, None]
+    m2 = (i4 >= 2)[:, None, None]
+    m3 = (i4 >= 3)[:, None, None]
+    As1 = tl.load(ai_buf + _block_offs(base, i4, i4 - 1, r16), mask=m1, other=0.0)
+    As2 = tl.load(ai_buf + _block_offs(base, i4, i4 - 2, r16), mask=m2, other=0.0)
+    As3 = tl.load(ai_buf + _block_offs(base, i4, i4 - 3, r16), mask=m3, other=0.0)
     tl.debug_barrier()
     tl.store(ai_buf + off3, X)
     tl.debug_barrier()
-    # (I + A) = (I + A_d)(I + N) with D = (I + A_d)^{-1} and N = D A_o strictly block-lower (N^4 = 0):
-    # (I + A)^{-1} = (I - N + N^2 - N^3) D
-    diag = (rc[:, None] // 16) == (rc[None, :] // 16)
-    D = tl.load(ai_buf + sq, mask=diag, other=0.0)
-    N = tl.dot(D, tl.where(diag, 0.0, A), input_precision="tf32x3")
-    N2 = tl.dot(N, N, input_precision="tf32x3")
-    M = tl.where(rc[:, None] == rc[None, :], 1.0, 0.0) - N + N2 - tl.dot(N, N2, input_precision="tf32x3")
-    Aib = tl.dot(M, D, input_precision="tf32x3") * beta[None, :]
+    D1 = tl.load(ai_buf + _block_offs(base, i4 - 1, i4 - 1, r16), mask=m1, other=0.0)
+    X1 = -tl.dot(X, tl.dot(As1, D1, input_precision="tf32x3"), input_precision="tf32x3")
+    tl.store(ai_buf + _block_offs(base, i4, i4 - 1, r16), X1, mask=m1)
+    tl.debug_barrier()
+    D2 = tl.load(ai_buf + _block_offs(base, i4 - 2, i4 - 2, r16), mask=m2, other=0.0)
+    X1p = tl.load(ai_buf + _block_offs(base, i4 - 1, i4 - 2, r16), mask=m2, other=0.0)
+    T2 = tl.dot(As1, X1p, tl.dot(As2, D2, input_precision="tf32x3"), input_precision="tf32x3")
+    X2 = -tl.dot(X, T2, input_precision="tf32x3")
+    tl.store(ai_buf + _block_offs(base, i4, i4 - 2, r16), X2, mask=m2)
+    tl.debug_barrier()
+    D3 = tl.load(ai_buf + _block_offs(base, i4 - 3, i4 - 3, r16), mask=m3, other=0.0)
+    X1q = tl.load(ai_buf + _block_offs(base, i4 - 2, i4 - 3, r16), mask=m3, other=0.0)
+    X2q = tl.load(ai_buf + _block_offs(base, i4 - 1, i4 - 3, r16), mask=m3, other=0.0)
+    T3 = tl.dot(As3, D3, input_precision="tf32x3")
+    T3 = tl.dot(As2, X1q, T3, input_precision="tf32x3")
+    T3 = tl.dot(As1, X2q, T3, input_precision="tf32x3")
+    X3 = -tl.dot(X, T3, input_precision="tf32x3")
+    tl.store(ai_buf + _block_offs(base, i4, i4 - 3, r16), X3, mask=m3)
+    tl.debug_barrier()
+    lower = (rc[:, None] // 16) >= (rc[None, :] // 16)
+    Aib = tl.load(ai_buf + sq, mask=lower, other=0.0) * beta[None, :]
     tl.debug_barrier()
     tl.store(ai_buf + sq, Aib)
 
