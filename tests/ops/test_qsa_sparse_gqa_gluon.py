@@ -47,6 +47,56 @@ def test_logical_order_matches_the_host_tables(which: str) -> None:
     assert torch.equal(logical, torch.tensor(table).repeat(gsg.TILE, 1))
 
 
+@pytest.mark.parametrize("which", ["K", "V"])
+def test_the_kernel_bit_formula_is_the_table(which: str) -> None:
+    """``_physical_d`` in the kernel moves bit b of the logical index to position POS[b]; the host-side
+    table it replaced (and that the other tests check) is ``physical_d``."""
+    src = gsg._K_SRC if which == "K" else gsg._N_SRC
+    pos = gsg.bit_positions(src)
+    formula = [sum(((j >> b) & 1) << pos[b] for b in range(len(pos))) for j in range(gsg.HEAD_DIM)]
+    assert formula == gsg.physical_d(src)
+
+
+# The mma.sync B operand's layout for warps [1, 2], instruction [16, 8], k_width 2, as triton 3.6's
+# gl.to_linear_layout prints it ([k, n] bases): K's operand is [d, token] = [256, 32], V's [token, d].
+MMA_B = {
+    "K": dict(regs=[[1, 0], [8, 0], [16, 0], [32, 0], [64, 0], [128, 0], [0, 16]],
+              lanes=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], warps=[[0, 8]]),
+    "V": dict(regs=[[1, 0], [8, 0], [16, 0], [0, 16], [0, 32], [0, 64], [0, 128]],
+              lanes=[[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], warps=[[0, 8]]),
+}
+
+
+def _to_operand(basis: list[int], src: list, token_axis: int) -> list[int]:
+    """A [token, byte] basis of the loaded bytes -> the [k, n] basis of the operand it lands on."""
+    out = [0, 0]
+    if basis[0]:
+        out[token_axis] = basis[0]
+    else:
+        out[1 - token_axis] = 1 << src.index(("pb", basis[1].bit_length() - 1))
+    return out
+
+
+@pytest.mark.parametrize("which", ["K", "V"])
+def test_the_byte_layouts_land_on_the_mma_fragments(which: str) -> None:
+    """Through the logical order, the bytes' lane and warp bases are exactly the operand's, and their
+    register bases plus the nibble's are its register bases (in another order: a renaming)."""
+    if which == "K":
+        src, regs, lanes, warps, token_axis = gsg._K_SRC, gsg._K_REGS, gsg._K_LANES, gsg._K_WARPS, 1
+    else:
+        src, regs, lanes, warps, token_axis = gsg._N_SRC, gsg._V_DEC_REGS, gsg._V_LANES, gsg._V_WARPS, 0
+    want = MMA_B[which]
+    nib = [0, 0]
+    nib[1 - token_axis] = 1 << src.index(("nib",))
+    assert [_to_operand(b, src, token_axis) for b in lanes] == want["lanes"]
+    assert [_to_operand(b, src, token_axis) for b in warps] == want["warps"]
+    got = [_to_operand(b, src, token_axis) for b in regs] + [nib]
+    assert sorted(map(tuple, got)) == sorted(map(tuple, want["regs"]))
+    # the decoder packs register-adjacent elements pairwise: its first register basis must be the
+    # operand's k bit 0, so each packed fp16 pair is one fragment register
+    assert _to_operand(regs[0], src, token_axis) == want["regs"][0]
+
+
 def test_the_permuted_dot_is_the_dot() -> None:
     """QK over the logical order with q gathered by _Q_PERM equals QK in d order, and PV's logical
     columns land on d through _O_PERM: the algebra the kernel relies on, in float64."""
@@ -92,3 +142,47 @@ def test_compiles_for_sm90_with_free_operand_conversions(tmp_path) -> None:
                           "--sass"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert re.search(r"^OK\s+qsa_sparse_gqa::gluon_decode::decode_b8_8k_nvfp4", out.stdout, re.M), \
         out.stdout + out.stderr[-3000:]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or triton_support.INTERPRETING,
+                    reason="Gluon kernels run on a GPU only")
+@pytest.mark.parametrize("num_splits", [None, 64])
+def test_padding_empty_rows_and_idle_splits_on_the_gpu(num_splits) -> None:
+    """What decode_b8_8k_nvfp4 does not reach: a token list whose width is not a multiple of the
+    32-token tile (a partial last tile), padding inside rows, a row with no token at all, and more
+    splits than tiles (splits that only see padding). Band of the cell: 2 ulp, 1 eps."""
+    from certify.harness import run_spec
+    from certify.oracles import tolerance
+    from spec.ops.qsa import qsa_sparse_gqa
+
+    axes = dict(step="decode", batch=6, rows=6, context=1500, kv_dtype="nvfp4", act_dtype="bfloat16",
+                q_heads=24, kv_heads=2, head_dim=256)
+    case = sparse_gqa_case(axes, torch.Generator().manual_seed(11), "cpu")
+    gen = torch.Generator().manual_seed(12)
+    tokens = case.inputs["tokens"].clone()
+    drop = torch.rand(tokens.shape, generator=gen) < 0.5        # padding inside rows 1, 3, 4, 5
+    drop[0] = False
+    tokens[drop] = -1
+    tokens = torch.cat([tokens, torch.full((tokens.shape[0], 5), -1, dtype=tokens.dtype)], 1)
+    tokens[2] = -1                                              # a row that selects nothing
+    assert tokens.shape[1] % gsg.TILE
+    inputs = dict(case.inputs, tokens=tokens)
+    ref = run_spec(qsa_sparse_gqa, type(case)(inputs, case.outputs), reference=True)["out"]
+
+    def cuda(x):
+        if isinstance(x, torch.Tensor):
+            return x.cuda()
+        if isinstance(x, tuple):
+            return tuple(cuda(p) for p in x)
+        if hasattr(x, "keywords"):                              # partial(nvfp4_load, gs=...)
+            return type(x)(x.func, **{k: cuda(v) for k, v in x.keywords.items()})
+        return x
+
+    dev = {n: cuda(v) for n, v in inputs.items()}
+    out = torch.full(dev["q"].shape, float("nan"), dtype=torch.bfloat16, device="cuda")
+    gsg.gluon_decode(**dev, out=out, num_splits=num_splits)
+    out = out.cpu()
+    assert not out.isnan().any()
+    assert torch.equal(out[2], torch.zeros_like(out[2]))
+    v = tolerance("out", out, ref, 2, 1)
+    assert v.passed, v.problems

@@ -12,14 +12,16 @@ fragments, and no decoded element touches shared memory:
   registers of those pairs. The QK dot sums over d, so d can be visited in any order as long as q is
   visited in the same one: K's logical k order (``_K_SRC``) puts two adjacent bytes of a row on k's
   bit 0, so the decoder's packed fp16 pair (low nibbles of bytes 2i and 2i + 1) is one fragment
-  register, each thread loads 16 contiguous bytes, and q is gathered in that order (``_Q_PERM``).
+  register, each thread loads runs of 16 contiguous bytes, and q is gathered in that order
+  (``_Q_PERM``; the kernel recomputes it from the bit positions, ``_physical_d``).
 - For PV, V is the B operand with k = tokens: a fragment register pairs two tokens at one d, so each
   decoder call gets bytes of two tokens interleaved (one byte permutation of the two loaded words) and
   its fp16 pair is again one fragment register. The output columns come out in a permuted d order
   (``_N_SRC``), undone when the partial is stored (``_O_PERM``).
 - The reshape / permute from the bytes' (token, byte, nibble) coordinates to the logical order is a
   renaming of registers; ``convert_layout(..., assert_trivial=True)`` makes the compiler prove that no
-  data moves. Only p (16 x 32 a tile) crosses the two warps through shared memory.
+  data moves. What still crosses the two warps through shared memory (they split QK's 32 columns) is
+  small: the row max and sum of the logits and p (16 x 32 a tile).
 - The raw bytes and block scales stream through a 2-stage cp.async ring in shared memory (9 KB a stage,
   rows XOR-swizzled so that both readers' patterns are free of bank conflicts), issued a tile ahead.
 
@@ -86,7 +88,9 @@ def _as_3d(bases: list) -> list:
 
 # Where each logical bit of K's k (QK's sum index) and of V's n (PV's output column) comes from:
 # ("pb", i) = bit i of the packed byte's index in the row, ("nib",) = low (0) or high (1) nibble;
-# physical d = 2 * byte + nibble. Fixed by the mma.sync fragments (mma_v2, warps [1, 2]):
+# physical d = 2 * byte + nibble. The lane and warp bits, and which bit pairs a fragment register, are
+# fixed by the mma.sync fragments (mma_v2, warps [1, 2]); the order of the other register bits is
+# chosen for contiguous loads (tests/ops/test_qsa_sparse_gqa_gluon.py checks the bases against these):
 #   B of QK [k = d, n = token]: registers k0, k3..k7, n4; lanes k1, k2, n0, n1, n2; warp n3.
 #   B of PV [k = token, n = d]: registers k0, k3, k4, n4..n7; lanes k1, k2, n0, n1, n2; warp n3.
 _K_SRC = [("pb", 0), ("pb", 4), ("pb", 5), ("pb", 1), ("pb", 2), ("pb", 3), ("nib",), ("pb", 6)]
@@ -116,16 +120,25 @@ def logical_order(src: list) -> tuple[int, ...]:
     return (0, *(axis(src[j]) for j in reversed(range(len(src)))))
 
 
+def bit_positions(src: list) -> tuple[int, ...]:
+    """For each logical bit, its position in physical d (the nibble is bit 0, byte bit i is i + 1):
+    physical d = sum over logical bits b of bit b of the index, shifted to position [b]."""
+    return tuple(0 if s[0] == "nib" else 1 + s[1] for s in src)
+
+
 _SPLIT = gl.constexpr((TILE, *([2] * (_PB_BITS + 1))))
+_K_POS = gl.constexpr(bit_positions(_K_SRC))
+_N_POS = gl.constexpr(bit_positions(_N_SRC))
 _K_ORDER = gl.constexpr(logical_order(_K_SRC))
 _V_ORDER = gl.constexpr(logical_order(_N_SRC))
 _Q_PERM = physical_d(_K_SRC)
 _O_PERM = physical_d(_N_SRC)
 
-# Register layouts of the packed bytes [BN, D / 2] (token, byte): K's thread holds 16 contiguous bytes
-# of two tokens (one 16-byte load each); V's holds 8 contiguous bytes of eight tokens, read with the
-# bytes first (8-byte loads, ``_V2``) and handed to the decoder with token bit 0 first (``_V3``), so
-# that the 4 bytes of one decoder call are (t0, b), (t1, b), (t0, b + 1), (t1, b + 1).
+# Register layouts of the packed bytes [BN, D / 2] (token, byte): K's thread holds two runs of 16
+# contiguous bytes (bytes c .. c + 15 and c + 64 .. c + 79) of each of two tokens, four 16-byte loads;
+# V's holds 8 contiguous bytes of eight tokens, read with the bytes first (8-byte loads, ``_V2``) and
+# handed to the decoder with token bit 0 first (``_V3``), so that the 4 bytes of one decoder call are
+# (t0, b), (t1, b), (t0, b + 1), (t1, b + 1).
 _K_REGS = [_pb(0), _pb(1), _pb(2), _pb(3), _pb(6), _tk(4)]
 _K_LANES = [_pb(4), _pb(5), _tk(0), _tk(1), _tk(2)]
 _K_WARPS = [_tk(3)]
@@ -171,6 +184,15 @@ def _decoded_operand(packed2, sf, L3: gl.constexpr, ORDER: gl.constexpr, TRANS: 
 
 
 @gluon.jit
+def _physical_d(j, POS: gl.constexpr):
+    """``physical_d`` in the kernel: logical indices j -> physical d, bit b of j moved to POS[b]."""
+    d = j * 0
+    for b in gl.static_range(len(POS)):
+        d = d | (((j >> b) & 1) << POS[b])
+    return d
+
+
+@gluon.jit
 def _issue_tile(k_pool, k_sf, v_pool, v_sf, kbuf, vbuf, ksb, vsb, stage, ts_b, ts_s, h,
                 HKV: gl.constexpr):
     """cp.async of one tile's K and V bytes and scales into ``stage`` of the ring; token slots ts_b /
@@ -199,7 +221,7 @@ def _tile_slots(slots_row, tile, last, W, LAYOUT: gl.constexpr):
 
 
 @gluon.jit
-def _decode_split_kernel(q, q_perm, o_perm, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
+def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
                          part_o, part_ml, scale, W, tiles_per_split,
                          HQ: gl.constexpr, HKV: gl.constexpr, G: gl.constexpr):
     row = gl.program_id(0).to(gl.int64)
@@ -221,7 +243,7 @@ def _decode_split_kernel(q, q_perm, o_perm, token_slots, k_pool, k_sf, k_gs, v_p
     # q gathered in K's logical k order, each row scaled by a power of two into fp16's range
     # (triton_sparse_gqa._q_operand's rule)
     g = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, _QL))
-    kq = gl.load(q_perm + gl.arange(0, D, layout=gl.SliceLayout(0, _QL)))
+    kq = _physical_d(gl.arange(0, D, layout=gl.SliceLayout(0, _QL)), _K_POS)
     gm = g < G
     qf = gl.load(q + (row * HQ + h * G + g)[:, None] * D + kq[None, :], mask=gm[:, None],
                  other=0.0).to(gl.float32)
@@ -269,21 +291,11 @@ def _decode_split_kernel(q, q_perm, o_perm, token_slots, k_pool, k_sf, k_gs, v_p
     acc = acc * gl.load(v_gs)
     base = (row * HKV + h) * n_splits + split
     go = gl.arange(0, G_PAD, layout=gl.SliceLayout(1, _MMA))
-    col = gl.load(o_perm + gl.arange(0, D, layout=gl.SliceLayout(0, _MMA)))  # logical n -> d
+    col = _physical_d(gl.arange(0, D, layout=gl.SliceLayout(0, _MMA)), _N_POS)  # logical n -> d
     gmo = go < G
     gl.store(part_o + (base * G + go)[:, None] * D + col[None, :], acc, mask=gmo[:, None])
     gl.store(part_ml + (base * 2) * G + go, m_i, mask=gmo)
     gl.store(part_ml + (base * 2 + 1) * G + go, l_i, mask=gmo)
-
-
-_PERM_TABLES: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
-
-
-def _perm_tables(device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    if device not in _PERM_TABLES:
-        _PERM_TABLES[device] = (torch.tensor(_Q_PERM, dtype=torch.int32, device=device),
-                                torch.tensor(_O_PERM, dtype=torch.int32, device=device))
-    return _PERM_TABLES[device]
 
 
 def gluon_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_ids: torch.Tensor,
@@ -315,14 +327,13 @@ def gluon_decode(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_
     per_split = triton.cdiv(tiles, splits)
     splits = triton.cdiv(tiles, per_split)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
-    q_perm, o_perm = _perm_tables(q.device)
     token_slots = torch.empty(n, w, dtype=torch.int32, device=q.device)
     _token_slots_kernel[(n, triton.cdiv(w, 1024))](tokens, seq_ids, block_table, token_slots, w,
                                                    block_table.shape[1], BLOCK=1024, num_warps=4)
     part_o = torch.empty(n * n_kv * splits * g * d, dtype=torch.float32, device=q.device)
     part_ml = torch.empty(n * n_kv * splits * 2 * g, dtype=torch.float32, device=q.device)
     _decode_split_kernel[(n, n_kv, splits)](
-        q, q_perm, o_perm, token_slots, *kf.args(), *vf.args(), part_o, part_ml, scale, w, per_split,
+        q, token_slots, *kf.args(), *vf.args(), part_o, part_ml, scale, w, per_split,
         HQ=hq, HKV=n_kv, G=g, num_warps=WARPS)
     _decode_combine_kernel[(n, n_kv)](part_o, part_ml, gate, out, splits, HQ=hq, HKV=n_kv, G=g,
                                       G_PAD=GROUP_PAD, D=d, num_warps=4)
