@@ -36,7 +36,9 @@ from certify.paths import project_paths
 from spec.ops import gdn
 from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
-TIMED = ("triton_chunked", "torch_chunked")
+TIMED = ("gluon_chunked", "triton_chunked", "torch_chunked")
+# the chunked kernels whose launches (prologue, state pass, norm) are timed one by one too
+LAUNCHES = {"gluon_chunked": "impl.kernels.gdn.gluon_chunked", "triton_chunked": "impl.kernels.gdn.triton_chunked"}
 # Configurations seen to run on the H200 (2026-11-29); bv 32 with 8 warps, and k^T taken by tl.trans of
 # the loaded k tile ("tload": False), hit an illegal memory access in Triton 3.6, which ends the
 # process's CUDA context: run --sweep in a process of its own.
@@ -169,11 +171,19 @@ def main() -> None:
         nbytes += i["z"].numel() * 2 + 2 * i["state"].numel() * 4
         row = {"T": T, "floor_us": nbytes / bw * 1e6}
         for name in TIMED:
-            fn = variant_callable(op, name)
-            ok, errs = check(name, run_variant(fn, case), ref, bands)
+            try:
+                fn = variant_callable(op, name)
+                ok, errs = check(name, run_variant(fn, case), ref, bands)
+            except Exception as e:  # noqa: BLE001 - a variant that cannot run here is reported
+                ok, errs = False, f"not run ({type(e).__name__}: {str(e)[:80]})"
             out, fin = _buffers(case)
             row[name] = bench(lambda: fn(**i, out=out, final_state=fin))[0] if ok else float("nan")
             row[name + "_err"] = errs
+            if ok and name in LAUNCHES:
+                import importlib
+
+                plan = importlib.import_module(LAUNCHES[name]).launch_plan(**i, out=out, final_state=fin)
+                row[name + "_launches"] = ", ".join(f"{n} {bench(la)[0]:.1f}" for n, la in plan)
         if args.sweep and T == 8192:
             for cfg in SWEEP:
                 fn = lambda **kw: triton_chunked.gdn_prefill_chunked(**kw, _config=cfg)  # noqa: E731
@@ -218,27 +228,37 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - an absent peer is reported in its column
             versions[peer] = "not installed"
     cfg = triton_chunked.default_config(128)
-    head = ["T", "floor us", "triton_chunked us", "torch_chunked us", "flashinfer us", "fla us",
-            "triton / floor", "triton / flashinfer", "triton_chunked err (out ulp / rms ; state ulp / rms)"]
+    head = ["T", "floor us", "gluon_chunked us", "triton_chunked us", "torch_chunked us", "flashinfer us",
+            "fla us", "dispatched / floor", "dispatched / flashinfer", "dispatched / fla"]
     lines = [f"# GDN prefill, one sequence, {torch.cuda.get_device_name()}, "
              f"{dt.date.today().isoformat()}", "",
              f"Versions: {versions}. Copy bandwidth (read + write) measured in this run: "
              f"{bw / 1e12:.2f} TB/s. Geometry: 16 key heads, 48 value heads, d_k = d_v = 128, bf16 "
              f"q/k/v/z, fp32 state. Times: median, microseconds (CUDA-graph replays unless noted). "
              f"triton_chunked runs its default configuration {cfg}; each variant was checked against "
-             f"the float64 spec with the cell bands first (NaN = failed the check). The peers run the "
-             f"recurrence only (no gated norm).", "",
+             f"the float64 spec with the cell bands first (NaN = failed the check or did not run). The "
+             f"dispatched variant is the first of gluon_chunked, triton_chunked that passed (the "
+             f"catalog's order on sm_90). The peers run the recurrence only (no gated norm).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for r in rows:
-        tri, fi = r["triton_chunked"], r.get("flashinfer", "")
+
+    def ratio(a, b) -> str:
         try:
-            vs_fi = f"{tri / float(fi.split()[0]):.2f}x"
-        except (ValueError, IndexError, AttributeError):
-            vs_fi = "-"
-        lines.append("| " + " | ".join([str(r["T"]), f"{r['floor_us']:.1f}", f"{tri:.1f}",
-                                         f"{r['torch_chunked']:.1f}", str(r.get("flashinfer", "-")),
-                                         str(r.get("fla", "-")), f"{tri / r['floor_us']:.2f}x", vs_fi,
-                                         r["triton_chunked_err"]]) + " |")
+            return f"{a / float(str(b).split()[0]):.2f}x"
+        except (ValueError, IndexError, ZeroDivisionError):
+            return "-"
+
+    for r in rows:
+        disp = next((r[n] for n in ("gluon_chunked", "triton_chunked") if r[n] == r[n]), float("nan"))
+        lines.append("| " + " | ".join([str(r["T"]), f"{r['floor_us']:.1f}", f"{r['gluon_chunked']:.1f}",
+                                         f"{r['triton_chunked']:.1f}", f"{r['torch_chunked']:.1f}",
+                                         str(r.get("flashinfer", "-")), str(r.get("fla", "-")),
+                                         f"{disp / r['floor_us']:.2f}x", ratio(disp, r.get("flashinfer")),
+                                         ratio(disp, r.get("fla"))]) + " |")
+    lines += ["", "Errors against float64 (out ulp / relative RMS eps ; final state ulp / relative RMS eps) "
+              "and each launch (us):", ""]
+    for r in rows:
+        for n in ("gluon_chunked", "triton_chunked"):
+            lines.append(f"- T={r['T']} {n}: {r[n + '_err']}; launches: {r.get(n + '_launches', '-')}")
     lines += ["", "Peer checks (relative Frobenius error against the float64 recurrence; 'grouped' is "
               "the spec's head mapping, value head h reads key head h // 3; 'interleaved' reads "
               "h % 16):", ""] + [f"- {n}" for n in peer_notes]

@@ -1,0 +1,287 @@
+"""Gluon state pass of the chunked GDN prefill for sm_90 (warp-group MMA, TMA), between triton_chunked's
+prologue and gated norm: certified against ``spec.ops.gdn.gdn_prefill`` (certify/cells/gdn_prefill.yaml).
+
+Same chunked form, launches and numerics as ``triton_chunked`` (its docstring has the algebra): the Triton
+prologue per (chunk, value head), this sequential state pass per (value head, 64 state columns), then the
+Triton gated RMSNorm. What changes is the state pass. It runs transposed: the state tile is held as
+S^T [64 columns, 128 keys], the accumulator of a warp-group MMA, and every product of a chunk has the
+state columns as its rows (the wgmma's M = 64):
+
+    KS^T = S^T K^T        U^T = (V^T - KS^T diag(e^G rk)) Aib^T        S^T <- e^{G_C} S^T + U^T diag(d) K
+    qS^T = S^T Q^T        o^T = U^T QKD^T + qS^T diag(e^G rq)          KQ = K Q^T (QKD^T from it)
+
+- The left operands (S^T's pieces, then the right-hand side's, the scaled deltas' and U^T's pieces) are
+  written once to shared memory, the right operands are chunk tiles there: k, q, v and Aib arrive by TMA
+  in a 2-stage ring, one chunk ahead (mbarrier per stage); QKD^T's pieces are written once a chunk.
+- 8 warps: the two warp groups split each product's columns (warps [4, 2]), so both issue wgmma and
+  each thread holds half of every tile (no register spills at 255 registers).
+- Work that does not feed the next product runs while a product is in flight: Aib's pieces and the row
+  factors during KS^T / KQ / qS^T, QKD^T during U^T.
+- Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
+  chunk reads the next sequence's rows (zeros past the tensor). Those rows meet only zeros (Aib's rows and
+  columns past T: beta = 0 there) and the causal mask, and their outputs are not stored.
+
+Numerics, as triton_chunked's: every product is fp32-accurate. q and k are exact bf16 operands; an fp32
+operand is split into three bf16 pieces (x = x1 + x2 + x3, each the nearest bf16 of what the previous
+left: about 2^-24 relative together). A product of two fp32 operands (Aib, QKD^T) splits both and keeps
+the six piece products down to 2^-16 relative (1*1, 1*2, 2*1, 1*3, 2*2, 3*1), about 2^-24 like tf32x3.
+Accumulation is fp32 throughout. The sums run in another order than triton_chunked's, so the two agree
+to rounding, not bitwise.
+
+Gluon has no interpreter: this variant runs on sm_90 only, and the CPU certifies triton_chunked.
+Fixed geometry (the target's): d_k = d_v = 128, chunk 64, 64 state columns a program, 8 warps, bf16
+q / k / v, fp32 state; about 208 KB of shared memory a program.
+"""
+
+from __future__ import annotations
+
+from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, before triton)
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma, \
+    warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from impl.kernels.gdn import triton_chunked as tc
+from impl.kernels.triton_support import INTERPRETING
+
+# the TMA load: async_copy_global_to_shared in triton 3.6 (the H200's), async_load later
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+# the CTA barrier: thread_barrier in triton 3.6, barrier later
+_cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+CHUNK = 64
+HEAD = 128          # d_k = d_v
+COLS = 64           # state columns a program: the wgmma's M
+WARPS = 8
+
+# accumulators: [COLS, CHUNK] (KS^T, qS^T, U^T, o^T, and KQ [CHUNK, CHUNK]) and [COLS, HEAD] (S^T, upd^T)
+ACC_C = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
+ACC_H = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16]))
+ALONG_T = gl.constexpr(gl.SliceLayout(0, ACC_C.value))     # a vector over the columns (t) of ACC_C
+ALONG_R = gl.constexpr(gl.SliceLayout(1, ACC_C.value))     # a vector over its rows
+ROWS_H = gl.constexpr(gl.SliceLayout(1, ACC_H.value))
+COLS_H = gl.constexpr(gl.SliceLayout(0, ACC_H.value))
+# shared tiles the wgmma reads: bf16, 128-byte swizzle
+SH_MMA = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+SH_F32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
+# the piece products of two split fp32 operands, smallest first (0 = the leading piece): every product
+# of relative order down to 2^-16, (3, 1), (2, 2), (1, 3), (2, 1), (1, 2), (1, 1) in pieces counted from 1
+PIECE_PAIRS = ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))
+_X_PIECE = gl.constexpr(tuple(x for x, _ in PIECE_PAIRS))
+_Y_PIECE = gl.constexpr(tuple(y for _, y in PIECE_PAIRS))
+# Aib [64, 64] fp32 read from its stage to be split: 16-byte rows of four
+LD_A = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0]))
+
+
+@gluon.jit
+def _split3(x):
+    """fp32 -> three bf16 pieces whose sum is x to about 2^-24 relative (round to nearest even each)."""
+    x1 = x.to(gl.bfloat16)
+    r = x - x1.to(gl.float32)
+    x2 = r.to(gl.bfloat16)
+    x3 = (r - x2.to(gl.float32)).to(gl.bfloat16)
+    return x1, x2, x3
+
+
+@gluon.jit
+def _six_products(x_s, col0: gl.constexpr, y_s, y_transposed: gl.constexpr, acc):
+    """acc + X Y for two fp32 operands held as three bf16 pieces each: X's [64, 64] pieces are columns
+    col0 .. col0 + 63 of x_s's three [64, 128] buffers, Y's are y_s's three [64, 64] (read transposed
+    when ``y_transposed``). The six products down to 2^-16 relative, smallest first, asynchronous."""
+    for k in gl.static_range(6):
+        x = x_s.index(_X_PIECE[k]).slice(col0, 64, dim=1)
+        if y_transposed:
+            acc = warpgroup_mma(x, y_s.index(_Y_PIECE[k]).permute((1, 0)), acc, is_async=True)
+        else:
+            acc = warpgroup_mma(x, y_s.index(_Y_PIECE[k]), acc, is_async=True)
+    return acc
+
+
+@gluon.jit
+def _issue_chunk(k_d, q_d, v_d, a_d, k_s, q_s, v_s, a_s, bar, c, i_b, i_h, i_hk, bh, v0, T, NT):
+    """TMA of chunk c's k, q [64, 128], v [64, 64 columns] and Aib [64, 64] fp32 into one ring stage
+    (k, q, v through [tokens, heads x 128] views: see the module's docstring for rows past T)."""
+    row0 = i_b * T + c * 64
+    mbarrier.expect(bar, 2 * 64 * 128 * 2 + 64 * 64 * 2 + 64 * 64 * 4)
+    _tma_load(k_d, [row0, i_hk * 128], bar, k_s)
+    _tma_load(q_d, [row0, i_hk * 128], bar, q_s)
+    _tma_load(v_d, [row0, i_h * 128 + v0], bar, v_s)
+    _tma_load(a_d, [(bh * NT + c) * 64, 0], bar, a_s)
+
+
+@gluon.jit
+def _state_pass_wgmma(q_d, k_d, v_d, a_d, state, final_state, gbuf, rbuf, o_buf, T, NT,
+                      HK: gl.constexpr, HV: gl.constexpr):
+    pid = gl.program_id(0)
+    i_v = pid % 2
+    bh = pid // 2
+    i_b = bh // HV
+    i_h = bh % HV
+    i_hk = i_h // (HV // HK)
+    v0 = i_v * 64
+
+    k_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH_MMA)
+    q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH_MMA)
+    v_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)
+    a_s = gl.allocate_shared_memory(gl.float32, [2, 64, 64], SH_F32)
+    ap_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # Aib's pieces [t, i]
+    qk_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # QKD^T's pieces [i, t]
+    sp_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 128], SH_MMA)   # S^T's pieces
+    # once S^T's pieces are read, their buffer holds [64, 64] pieces: columns 0-63 the right-hand
+    # side's, then the scaled deltas'; columns 64-127 U^T's
+    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(bars.index(0), count=1)
+    mbarrier.init(bars.index(1), count=1)
+
+    # S^T [64 columns, 128 keys] = state[k, v0 + col]
+    cols = v0 + gl.arange(0, 64, layout=ROWS_H)
+    keys = gl.arange(0, 128, layout=COLS_H)
+    ST = gl.load(state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None])
+
+    _issue_chunk(k_d, q_d, v_d, a_d, k_s.index(0), q_s.index(0), v_s.index(0), a_s.index(0),
+                 bars.index(0), 0, i_b, i_h, i_hk, bh, v0, T, NT)
+
+    tt = gl.arange(0, 64, layout=ALONG_T)
+    ii = gl.arange(0, 64, layout=ALONG_R)
+    for c in range(NT):
+        s = c % 2
+        if c + 1 < NT:
+            _issue_chunk(k_d, q_d, v_d, a_d, k_s.index(1 - s), q_s.index(1 - s), v_s.index(1 - s),
+                         a_s.index(1 - s), bars.index(1 - s), c + 1, i_b, i_h, i_hk, bh, v0, T, NT)
+        gb = (bh * NT + c).to(gl.int64) * 64
+        G_C = gl.load(gbuf + gb + 63)
+        mbarrier.wait(bars.index(s), (c // 2) & 1)
+        k_c = k_s.index(s)
+        q_c = q_s.index(s)
+
+        # S^T's pieces [64, 128] into shared memory: the A operand of KS^T and qS^T
+        s1, s2, s3 = _split3(ST)
+        sp_s.index(0).store(s1)
+        sp_s.index(1).store(s2)
+        sp_s.index(2).store(s3)
+        fence_async_shared()
+        _cta_barrier()
+        # KS^T, qS^T (S^T's pieces against the exact k, q tiles) and KQ [i, t] = k_i . q_t
+        zc = gl.zeros([64, 64], gl.float32, ACC_C)
+        ks = warpgroup_mma(sp_s.index(2), k_c.permute((1, 0)), zc, is_async=True)
+        ks = warpgroup_mma(sp_s.index(1), k_c.permute((1, 0)), ks, is_async=True)
+        ks = warpgroup_mma(sp_s.index(0), k_c.permute((1, 0)), ks, is_async=True)
+        kq = warpgroup_mma(k_c, q_c.permute((1, 0)), zc, is_async=True)
+        qs = warpgroup_mma(sp_s.index(2), q_c.permute((1, 0)), zc, is_async=True)
+        qs = warpgroup_mma(sp_s.index(1), q_c.permute((1, 0)), qs, is_async=True)
+        qs = warpgroup_mma(sp_s.index(0), q_c.permute((1, 0)), qs, is_async=True)
+        # meanwhile: Aib's pieces [t, i] (the B operand Aib^T of the U dot) and the row factors
+        a1, a2, a3 = _split3(a_s.index(s).load(LD_A))
+        ap_s.index(0).store(a1)
+        ap_s.index(1).store(a2)
+        ap_s.index(2).store(a3)
+        G = gl.load(gbuf + gb + tt)
+        rk = gl.load(rbuf + 2 * gb + tt)
+        vT = v_s.index(s).permute((1, 0)).load(ACC_C).to(gl.float32)
+        ks, kq, qs = warpgroup_mma_wait(0, deps=(ks, kq, qs))
+        _cta_barrier()      # S^T's pieces are read: their buffer now holds [64, 64] pieces
+
+        # U^T = (V^T - KS^T diag(e^G rk)) Aib^T, six piece products
+        r1, r2, r3 = _split3(vT - ks * (gl.exp(G) * rk)[None, :])
+        sp_s.index(0).slice(0, 64, dim=1).store(r1)
+        sp_s.index(1).slice(0, 64, dim=1).store(r2)
+        sp_s.index(2).slice(0, 64, dim=1).store(r3)
+        fence_async_shared()
+        _cta_barrier()
+        u = _six_products(sp_s, 0, ap_s, True, zc)
+        # meanwhile: QKD^T [i, t] = e^{G_t - G_i} rk_i rq_t k_i . q_t (i <= t), its pieces
+        causal = ii[:, None] <= tt[None, :]
+        Gi = gl.load(gbuf + gb + ii)
+        rk_i = gl.load(rbuf + 2 * gb + ii)
+        rq = gl.load(rbuf + 2 * gb + 64 + tt)
+        qkd = gl.where(causal, gl.exp(gl.where(causal, G[None, :] - Gi[:, None], 0.0)), 0.0) \
+            * (rk_i[:, None] * rq[None, :]) * kq
+        p1, p2, p3 = _split3(qkd)
+        qk_s.index(0).store(p1)
+        qk_s.index(1).store(p2)
+        qk_s.index(2).store(p3)
+        u = warpgroup_mma_wait(0, deps=(u,))
+        _cta_barrier()      # the right-hand side's pieces are read
+
+        # S^T <- e^{G_C} S^T + (U^T diag(rk e^{G_C - G})) K (the state is the accumulator), and
+        # o^T = U^T QKD^T + qS^T diag(e^G rq)
+        d1, d2, d3 = _split3(u * (rk * gl.exp(G_C - G))[None, :])
+        sp_s.index(0).slice(0, 64, dim=1).store(d1)
+        sp_s.index(1).slice(0, 64, dim=1).store(d2)
+        sp_s.index(2).slice(0, 64, dim=1).store(d3)
+        u1, u2, u3 = _split3(u)
+        sp_s.index(0).slice(64, 64, dim=1).store(u1)
+        sp_s.index(1).slice(64, 64, dim=1).store(u2)
+        sp_s.index(2).slice(64, 64, dim=1).store(u3)
+        fence_async_shared()
+        _cta_barrier()
+        ST = warpgroup_mma(sp_s.index(2).slice(0, 64, dim=1), k_c, ST * gl.exp(G_C), is_async=True)
+        ST = warpgroup_mma(sp_s.index(1).slice(0, 64, dim=1), k_c, ST, is_async=True)
+        ST = warpgroup_mma(sp_s.index(0).slice(0, 64, dim=1), k_c, ST, is_async=True)
+        o = _six_products(sp_s, 64, qk_s, False, qs * (gl.exp(G) * rq)[None, :])
+        ST, o = warpgroup_mma_wait(0, deps=(ST, o))
+
+        o_base = ((i_b * T + c * 64).to(gl.int64) * HV + i_h) * 128 + v0
+        gl.store(o_buf + o_base + (tt[None, :] * (HV * 128) + ii[:, None]), o,
+                 mask=(tt < T - c * 64)[None, :])
+        _cta_barrier()     # every warp is done with this slot and the piece buffers before refills
+    cols = v0 + gl.arange(0, 64, layout=ROWS_H)
+    keys = gl.arange(0, 128, layout=COLS_H)
+    gl.store(final_state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None], ST)
+
+
+def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state) -> list:
+    """The launches of one prefill as [(name, callable)], in order (the benchmark times each)."""
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    for x in (q, k, v, a, b, z, state, out, final_state):
+        assert x.is_contiguous(), "the chunked GDN kernels read and write contiguous tensors"
+    if (K, V) != (HEAD, HEAD) or HV % HK:
+        raise ValueError(f"gluon_chunked supports d_k = d_v = {HEAD} and whole key-head groups "
+                         f"(got K={K} V={V} HK={HK} HV={HV})")
+    if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
+        raise ValueError("gluon_chunked reads bf16 q, k and v (TMA tiles of the tensor-core operands)")
+    if z.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
+        raise ValueError("the gated norm rounds to bf16: z and out must be bf16")
+    if state.dtype != torch.float32 or final_state.dtype != torch.float32:
+        raise ValueError("the chunked prefill keeps an fp32 state")
+    if INTERPRETING:
+        raise ValueError("gluon_chunked: Triton's interpreter does not run Gluon kernels (sm_90 only)")
+    if T == 0:
+        return [("copy", lambda: final_state.copy_(state))]
+    NT = triton.cdiv(T, CHUNK)
+    dev = v.device
+    gbuf = torch.empty(B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
+    rbuf = torch.empty(2 * B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
+    ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)
+    o_buf = torch.empty(B * T * HV * V, dtype=torch.float32, device=dev)
+    rows = B * T * HV
+    k_d = TensorDescriptor.from_tensor(k.view(B * T, HK * K), [64, 128], SH_MMA.value)
+    q_d = TensorDescriptor.from_tensor(q.view(B * T, HK * K), [64, 128], SH_MMA.value)
+    v_d = TensorDescriptor.from_tensor(v.view(B * T, HV * V), [64, 64], SH_MMA.value)
+    a_d = TensorDescriptor.from_tensor(ai_buf.view(-1, 64), [64, 64], SH_F32.value)
+
+    def prep():
+        return tc._prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT,
+                                             K ** -0.5, tc.L2_EPS, HK=HK, HV=HV, K=K, DOT="bf16",
+                                             TLOAD=True, num_warps=4)
+
+    def state_pass():
+        return _state_pass_wgmma[(B * HV * (V // COLS),)](q_d, k_d, v_d, a_d, state, final_state, gbuf,
+                                                         rbuf, o_buf, T, NT, HK=HK, HV=HV,
+                                                         num_warps=WARPS)
+
+    def norm():
+        return tc._gated_norm_kernel[(triton.cdiv(rows, 16),)](o_buf, z, norm_w, out, rows, tc.NORM_EPS,
+                                                             V=V, R=16, num_warps=4)
+
+    return [("prep", prep), ("state_pass", state_pass), ("norm", norm)]
+
+
+def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out, final_state) -> None:
+    """Chunked GDN prefill (sm_90), same contract as triton_chunked.gdn_prefill_chunked."""
+    for _, launch in launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state):
+        launch()

@@ -1,0 +1,104 @@
+"""The Gluon state pass of the chunked GDN prefill (impl/kernels/gdn/gluon_chunked.py) without a GPU.
+
+Its numerics are certified on sm_90 only (Gluon has no interpreter: reports/receipts/sm_90.jsonl, cells
+short_t37, long_t8192 and b2_t2048 of certify/cells/gdn_prefill.yaml). What the CPU can check: that the
+piece products the kernel keeps for a product of two fp32 operands are fp32-accurate (a missing pair
+would cost about 2^-17 relative, which only the GPU receipt would otherwise notice), that the kernel
+compiles for sm_90 on every cell that names it, and that the wrapper refuses what it cannot run."""
+
+from __future__ import annotations
+
+from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, before triton)
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from impl.kernels.gdn import gluon_chunked as gc
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _split3(x: torch.Tensor) -> list[torch.Tensor]:
+    """The kernel's ``_split3`` in torch: each piece the nearest bf16 of what the previous ones left."""
+    x1 = x.to(torch.bfloat16).float()
+    r = x - x1
+    x2 = r.to(torch.bfloat16).float()
+    return [x1, x2, (r - x2).to(torch.bfloat16).float()]
+
+
+def test_piece_pairs_are_every_product_down_to_2_16_once_smallest_first() -> None:
+    pairs = list(gc.PIECE_PAIRS)
+    assert sorted(pairs) == sorted((i, j) for i in range(3) for j in range(3) if i + j <= 2)
+    orders = [i + j for i, j in pairs]
+    assert orders == sorted(orders, reverse=True), "smallest products first, into the accumulator"
+    assert tuple(gc._X_PIECE.value) == tuple(i for i, _ in pairs)
+    assert tuple(gc._Y_PIECE.value) == tuple(j for _, j in pairs)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_kept_piece_products_are_fp32_accurate(seed: int) -> None:
+    """X Y from the kept piece products, each exact (bf16 x bf16), summed in float64, against the
+    float64 product of the same fp32 values. Measured 0.09-0.11 x 2^-24 relative (Frobenius) on these
+    inputs; the band is 2^-24. Keeping only the three leading pairs gives about 77 x 2^-24 and the
+    leading pair alone about 2^-8.7, so the check fails if a pair of order 2^-16 goes missing. The
+    kernel's fp32 accumulation adds its own rounding on top; the cells' bands cover that."""
+    g = torch.Generator().manual_seed(seed)
+    # rows of different scales, a right operand of decayed magnitudes (like Aib and QKD^T)
+    x = torch.randn(64, 64, generator=g) * torch.rand(64, 1, generator=g) * 4
+    y = torch.randn(64, 64, generator=g) * torch.exp(-8 * torch.rand(64, 64, generator=g))
+    xs, ys = _split3(x), _split3(y)
+    ref = x.double() @ y.double()
+
+    def rel(pairs) -> float:
+        got = sum(xs[i].double() @ ys[j].double() for i, j in pairs)
+        return float((got - ref).norm() / ref.norm())
+
+    assert rel(gc.PIECE_PAIRS) <= 2.0 ** -24
+    assert rel(gc.PIECE_PAIRS[3:]) > 16 * 2.0 ** -24
+
+
+def _case(K: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict:
+    B, T, HK, HV = 1, 70, 2, 6
+    g = torch.Generator().manual_seed(3)
+    return dict(q=torch.randn(B, T, HK, K, generator=g).to(dtype),
+                k=torch.randn(B, T, HK, K, generator=g).to(dtype),
+                v=torch.randn(B, T, HV, K, generator=g).to(torch.bfloat16),
+                a=torch.randn(B, T, HV, generator=g).to(torch.bfloat16),
+                b=torch.randn(B, T, HV, generator=g).to(torch.bfloat16),
+                A_log=torch.zeros(HV), dt_bias=torch.zeros(HV),
+                z=torch.randn(B, T, HV, K, generator=g).to(torch.bfloat16), norm_w=torch.ones(K),
+                state=torch.zeros(B, HV, K, K))
+
+
+def _call(case: dict) -> None:
+    gc.gdn_prefill_chunked(**case, out=torch.empty_like(case["z"]),
+                           final_state=torch.empty_like(case["state"]))
+
+
+def test_refuses_other_head_dims_and_dtypes_with_a_reason() -> None:
+    with pytest.raises(ValueError, match="d_k = d_v = 128"):
+        _call(_case(K=64))
+    with pytest.raises(ValueError, match="bf16 q, k and v"):
+        _call(_case(dtype=torch.float16))
+
+
+@pytest.mark.skipif(not triton_support.INTERPRETING, reason="the refusal is the interpreter's")
+def test_refuses_the_interpreter_with_a_reason() -> None:
+    with pytest.raises(ValueError, match="interpreter does not run Gluon"):
+        _call(_case())
+
+
+def test_compiles_for_sm90_on_every_cell_that_names_it(tmp_path) -> None:
+    """The state pass (TMA ring, warp-group MMAs on shared-memory operands, 8 warps, about 208 KB of
+    shared memory) compiles for sm_90 and fits the H200's limits, at each cell's specialisation."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
+    out = subprocess.run([sys.executable, "tools/sm90_compile_check.py", "--op", "gdn_prefill"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    for cell in ("short_t37", "long_t8192", "b2_t2048"):
+        assert re.search(rf"^OK\s+gdn_prefill::gluon_chunked::{cell}", out.stdout, re.M), \
+            out.stdout + out.stderr[-3000:]
