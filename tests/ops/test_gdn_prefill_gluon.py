@@ -4,7 +4,9 @@ Its numerics are certified on sm_90 only (Gluon has no interpreter: reports/rece
 short_t37, long_t8192 and b2_t2048 of certify/cells/gdn_prefill.yaml). What the CPU can check: that the
 piece products the kernel keeps for a product of two fp32 operands are fp32-accurate (a missing pair
 would cost about 2^-17 relative, which only the GPU receipt would otherwise notice), that the kernel
-compiles for sm_90 on every cell that names it, and that the wrapper refuses what it cannot run."""
+compiles for sm_90 on every cell that names it, that the prologue's PIECES mode (shared with
+triton_chunked, run here through Triton's interpreter) writes the planes the state pass reads, and that
+the wrapper refuses what it cannot run."""
 
 from __future__ import annotations
 
@@ -62,6 +64,49 @@ def test_the_kept_piece_products_are_fp32_accurate(seed: int) -> None:
     assert rel(gc.PIECE_PAIRS[3:]) > 16 * 2.0 ** -24
 
 
+@pytest.mark.skipif(not triton_support.INTERPRETING, reason="runs the prologue in Triton's interpreter")
+def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
+    """One launch of the prologue as triton_chunked runs it (Aib in fp32) and one with PIECES, on 70 rows
+    (a full chunk and a partial one). Planes 0-2 must sum to the same Aib [t, i] to 2^-24 relative
+    (the split's remainder), planes 3-5 to QKD [t, i] = e^{G_t - G_i} rq_t rk_i q_t . k_i for i <= t
+    and 0 above the diagonal and on rows past T, against float64 from the prologue's own G, rk, rq;
+    the state pass reads both as [t, i] (transposed views)."""
+    from impl.kernels.gdn import triton_chunked as tc
+
+    c = _case()
+    B, T, HK, K = c["q"].shape
+    HV = c["v"].shape[2]
+    NT = 2
+    gbuf, rbuf = torch.empty(B * HV * NT * 64), torch.empty(2 * B * HV * NT * 64)
+    ai_plain, ai_scratch = torch.empty(B * HV * NT * 4096), torch.empty(B * HV * NT * 4096)
+    pc = torch.full((B * HV * NT * 6 * 4096,), float("nan")).to(torch.bfloat16)
+    args = (c["q"], c["k"], c["a"], c["b"], c["A_log"], c["dt_bias"], gbuf, rbuf)
+    common = dict(HK=HK, HV=HV, K=K, DOT="f32", TLOAD=True)
+    tc._prep_kernel[(NT, B * HV)](*args, ai_plain, ai_plain, T, NT, K ** -0.5, tc.L2_EPS, PIECES=False,
+                                  **common)
+    tc._prep_kernel[(NT, B * HV)](*args, ai_scratch, pc, T, NT, K ** -0.5, tc.L2_EPS, PIECES=True,
+                                  **common)
+    planes = pc.double().view(B * HV, NT, 6, 64, 64)
+    aib = ai_plain.double().view(B * HV, NT, 64, 64)
+    torch.testing.assert_close(planes[:, :, 0:3].sum(2), aib, rtol=2.0 ** -23, atol=0.0)
+    G = gbuf.double().view(B * HV, NT, 64)
+    rk, rq = rbuf.double().view(B * HV, NT, 2, 64).unbind(2)
+    q = torch.nn.functional.pad(c["q"].double(), (0, 0, 0, 0, 0, NT * 64 - T))   # rows past T: zeros
+    k = torch.nn.functional.pad(c["k"].double(), (0, 0, 0, 0, 0, NT * 64 - T))
+    causal = torch.ones(64, 64, dtype=torch.bool).tril()
+    for bh in range(B * HV):
+        hk = bh // (HV // HK)
+        for ch in range(NT):
+            rows = slice(ch * 64, ch * 64 + 64)
+            qk = q[0, rows, hk] @ k[0, rows, hk].T
+            g = G[bh, ch]
+            want = torch.where(causal, (g[:, None] - g[None, :]).exp(), 0.0) \
+                * rq[bh, ch][:, None] * rk[bh, ch][None, :] * qk
+            got = planes[bh, ch, 3:6].sum(0)
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * want.abs().max().item())
+            assert (got[~causal] == 0).all()
+
+
 def _case(K: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict:
     B, T, HK, HV = 1, 70, 2, 6
     g = torch.Generator().manual_seed(3)
@@ -94,8 +139,9 @@ def test_refuses_the_interpreter_with_a_reason() -> None:
 
 
 def test_compiles_for_sm90_on_every_cell_that_names_it(tmp_path) -> None:
-    """The state pass (TMA ring, warp-group MMAs on shared-memory operands, 8 warps, about 208 KB of
-    shared memory) compiles for sm_90 and fits the H200's limits, at each cell's specialisation."""
+    """The state pass (TMA ring, warp-group MMAs on shared-memory operands, 8 warps, about 176 KB of
+    shared memory) and the prologue's PIECES mode compile for sm_90 and fit the H200's limits, at each
+    cell's specialisation."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "tools/sm90_compile_check.py", "--op", "gdn_prefill"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)

@@ -3,34 +3,38 @@ prologue and gated norm: certified against ``spec.ops.gdn.gdn_prefill`` (certify
 
 Same chunked form, launches and numerics as ``triton_chunked`` (its docstring has the algebra): the Triton
 prologue per (chunk, value head), this sequential state pass per (value head, 64 state columns), then the
-Triton gated RMSNorm. What changes is the state pass. It runs transposed: the state tile is held as
-S^T [64 columns, 128 keys], the accumulator of a warp-group MMA, and every product of a chunk has the
-state columns as its rows (the wgmma's M = 64):
+Triton gated RMSNorm. What changes:
 
-    KS^T = S^T K^T        U^T = (V^T - KS^T diag(e^G rk)) Aib^T        S^T <- e^{G_C} S^T + U^T diag(d) K
-    qS^T = S^T Q^T        o^T = U^T QKD^T + qS^T diag(e^G rq)          KQ = K Q^T (QKD^T from it)
+- The prologue (``_prep_kernel`` with PIECES) also writes, for each (chunk, value head), the three bf16
+  pieces of Aib [t, i] and of the decayed scores QKD [t, i] = e^{G_t - G_i} rq_t rk_i q^_t . k^_i
+  (i <= t), the operands that depend on the chunk only: the sequential pass neither splits Aib nor forms
+  QKD, and each arrives by TMA into its own buffer, refilled for the next chunk once consumed.
+- The state pass runs transposed: the state tile is held as S^T [64 columns, 128 keys], the accumulator
+  of a warp-group MMA, and every product of a chunk has the state columns as its rows (M = 64):
 
-- The left operands (S^T's pieces, then the right-hand side's, the scaled deltas' and U^T's pieces) are
-  written once to shared memory, the right operands are chunk tiles there: k, q, v and Aib arrive by TMA
-  in a 2-stage ring, one chunk ahead (mbarrier per stage); QKD^T's pieces are written once a chunk.
+      KS^T = S^T K^T        U^T = (V^T - KS^T diag(e^G rk)) Aib^T        S^T <- e^{G_C} S^T + U^T diag(d) K
+      qS^T = S^T Q^T        o^T = U^T QKD^T + qS^T diag(e^G rq)
+
+  Its left operands (the three bf16 pieces of S^T, then of the right-hand side, of the scaled deltas and
+  of U^T) are written once to shared memory; the right operands are tiles there: k, q, v by TMA in a
+  2-stage ring, one chunk ahead (an mbarrier a stage), and the prologue's pieces.
 - 8 warps: the two warp groups split each product's columns (warps [4, 2]), so both issue wgmma and
-  each thread holds half of every tile (no register spills at 255 registers).
-- Work that does not feed the next product runs while a product is in flight: Aib's pieces and the row
-  factors during KS^T / KQ / qS^T, QKD^T during U^T.
+  each thread holds half of every tile (no spills; one warp group spilled at 255 registers).
+- The row factors and v are read while KS^T and qS^T are in flight.
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
   chunk reads the next sequence's rows (zeros past the tensor). Those rows meet only zeros (Aib's rows and
   columns past T: beta = 0 there) and the causal mask, and their outputs are not stored.
 
 Numerics, as triton_chunked's: every product is fp32-accurate. q and k are exact bf16 operands; an fp32
 operand is split into three bf16 pieces (x = x1 + x2 + x3, each the nearest bf16 of what the previous
-left: about 2^-24 relative together). A product of two fp32 operands (Aib, QKD^T) splits both and keeps
+left: about 2^-24 relative together). A product of two fp32 operands (Aib, QKD) splits both and keeps
 the six piece products down to 2^-16 relative (1*1, 1*2, 2*1, 1*3, 2*2, 3*1), about 2^-24 like tf32x3.
 Accumulation is fp32 throughout. The sums run in another order than triton_chunked's, so the two agree
 to rounding, not bitwise.
 
 Gluon has no interpreter: this variant runs on sm_90 only, and the CPU certifies triton_chunked.
 Fixed geometry (the target's): d_k = d_v = 128, chunk 64, 64 state columns a program, 8 warps, bf16
-q / k / v, fp32 state; about 208 KB of shared memory a program.
+q / k / v, fp32 state; about 176 KB of shared memory a program.
 """
 
 from __future__ import annotations
@@ -66,14 +70,11 @@ ROWS_H = gl.constexpr(gl.SliceLayout(1, ACC_H.value))
 COLS_H = gl.constexpr(gl.SliceLayout(0, ACC_H.value))
 # shared tiles the wgmma reads: bf16, 128-byte swizzle
 SH_MMA = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
-SH_F32 = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=32, rank=2))
 # the piece products of two split fp32 operands, smallest first (0 = the leading piece): every product
 # of relative order down to 2^-16, (3, 1), (2, 2), (1, 3), (2, 1), (1, 2), (1, 1) in pieces counted from 1
 PIECE_PAIRS = ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))
 _X_PIECE = gl.constexpr(tuple(x for x, _ in PIECE_PAIRS))
 _Y_PIECE = gl.constexpr(tuple(y for _, y in PIECE_PAIRS))
-# Aib [64, 64] fp32 read from its stage to be split: 16-byte rows of four
-LD_A = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [8, 1], [1, 0]))
 
 
 @gluon.jit
@@ -93,27 +94,36 @@ def _six_products(x_s, col0: gl.constexpr, y_s, y_transposed: gl.constexpr, acc)
     when ``y_transposed``). The six products down to 2^-16 relative, smallest first, asynchronous."""
     for k in gl.static_range(6):
         x = x_s.index(_X_PIECE[k]).slice(col0, 64, dim=1)
+        y = y_s.index(_Y_PIECE[k])
         if y_transposed:
-            acc = warpgroup_mma(x, y_s.index(_Y_PIECE[k]).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma(x, y.permute((1, 0)), acc, is_async=True)
         else:
-            acc = warpgroup_mma(x, y_s.index(_Y_PIECE[k]), acc, is_async=True)
+            acc = warpgroup_mma(x, y, acc, is_async=True)
     return acc
 
 
 @gluon.jit
-def _issue_chunk(k_d, q_d, v_d, a_d, k_s, q_s, v_s, a_s, bar, c, i_b, i_h, i_hk, bh, v0, T, NT):
-    """TMA of chunk c's k, q [64, 128], v [64, 64 columns] and Aib [64, 64] fp32 into one ring stage
-    (k, q, v through [tokens, heads x 128] views: see the module's docstring for rows past T)."""
+def _issue_chunk(k_d, q_d, v_d, k_s, q_s, v_s, bar, c, i_b, i_h, i_hk, v0, T):
+    """TMA of chunk c's k, q [64, 128] and v [64, 64 columns] into one ring stage (through
+    [tokens, heads x 128] views: see the module's docstring for rows past T)."""
     row0 = i_b * T + c * 64
-    mbarrier.expect(bar, 2 * 64 * 128 * 2 + 64 * 64 * 2 + 64 * 64 * 4)
+    mbarrier.expect(bar, 2 * 64 * 128 * 2 + 64 * 64 * 2)
     _tma_load(k_d, [row0, i_hk * 128], bar, k_s)
     _tma_load(q_d, [row0, i_hk * 128], bar, q_s)
     _tma_load(v_d, [row0, i_h * 128 + v0], bar, v_s)
-    _tma_load(a_d, [(bh * NT + c) * 64, 0], bar, a_s)
 
 
 @gluon.jit
-def _state_pass_wgmma(q_d, k_d, v_d, a_d, state, final_state, gbuf, rbuf, o_buf, T, NT,
+def _issue_pieces(p_d, dst, bar, c, bh, NT, which: gl.constexpr):
+    """TMA of chunk c's three bf16 pieces of Aib (which = 0) or of QKD^T (which = 1), written by the
+    prologue, into dst [3, 64, 64]."""
+    mbarrier.expect(bar, 3 * 64 * 64 * 2)
+    for p in gl.static_range(3):
+        _tma_load(p_d, [(bh * NT + c) * 384 + (which * 3 + p) * 64, 0], bar, dst.index(p))
+
+
+@gluon.jit
+def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf, T, NT,
                       HK: gl.constexpr, HV: gl.constexpr):
     pid = gl.program_id(0)
     i_v = pid % 2
@@ -126,31 +136,32 @@ def _state_pass_wgmma(q_d, k_d, v_d, a_d, state, final_state, gbuf, rbuf, o_buf,
     k_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH_MMA)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH_MMA)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)
-    a_s = gl.allocate_shared_memory(gl.float32, [2, 64, 64], SH_F32)
     ap_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # Aib's pieces [t, i]
-    qk_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # QKD^T's pieces [i, t]
+    qk_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # QKD's pieces [t, i]
     sp_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 128], SH_MMA)   # S^T's pieces
     # once S^T's pieces are read, their buffer holds [64, 64] pieces: columns 0-63 the right-hand
     # side's, then the scaled deltas'; columns 64-127 U^T's
-    bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(bars.index(0), count=1)
-    mbarrier.init(bars.index(1), count=1)
+    bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(4):   # the two ring stages, Aib's pieces, QKD^T's pieces
+        mbarrier.init(bars.index(i), count=1)
 
     # S^T [64 columns, 128 keys] = state[k, v0 + col]
     cols = v0 + gl.arange(0, 64, layout=ROWS_H)
     keys = gl.arange(0, 128, layout=COLS_H)
     ST = gl.load(state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None])
 
-    _issue_chunk(k_d, q_d, v_d, a_d, k_s.index(0), q_s.index(0), v_s.index(0), a_s.index(0),
-                 bars.index(0), 0, i_b, i_h, i_hk, bh, v0, T, NT)
+    _issue_chunk(k_d, q_d, v_d, k_s.index(0), q_s.index(0), v_s.index(0), bars.index(0), 0,
+                 i_b, i_h, i_hk, v0, T)
+    _issue_pieces(p_d, ap_s, bars.index(2), 0, bh, NT, 0)
+    _issue_pieces(p_d, qk_s, bars.index(3), 0, bh, NT, 1)
 
     tt = gl.arange(0, 64, layout=ALONG_T)
     ii = gl.arange(0, 64, layout=ALONG_R)
     for c in range(NT):
         s = c % 2
         if c + 1 < NT:
-            _issue_chunk(k_d, q_d, v_d, a_d, k_s.index(1 - s), q_s.index(1 - s), v_s.index(1 - s),
-                         a_s.index(1 - s), bars.index(1 - s), c + 1, i_b, i_h, i_hk, bh, v0, T, NT)
+            _issue_chunk(k_d, q_d, v_d, k_s.index(1 - s), q_s.index(1 - s), v_s.index(1 - s),
+                         bars.index(1 - s), c + 1, i_b, i_h, i_hk, v0, T)
         gb = (bh * NT + c).to(gl.int64) * 64
         G_C = gl.load(gbuf + gb + 63)
         mbarrier.wait(bars.index(s), (c // 2) & 1)
@@ -164,24 +175,19 @@ def _state_pass_wgmma(q_d, k_d, v_d, a_d, state, final_state, gbuf, rbuf, o_buf,
         sp_s.index(2).store(s3)
         fence_async_shared()
         _cta_barrier()
-        # KS^T, qS^T (S^T's pieces against the exact k, q tiles) and KQ [i, t] = k_i . q_t
+        # KS^T and qS^T: S^T's pieces against the exact k, q tiles
         zc = gl.zeros([64, 64], gl.float32, ACC_C)
         ks = warpgroup_mma(sp_s.index(2), k_c.permute((1, 0)), zc, is_async=True)
         ks = warpgroup_mma(sp_s.index(1), k_c.permute((1, 0)), ks, is_async=True)
         ks = warpgroup_mma(sp_s.index(0), k_c.permute((1, 0)), ks, is_async=True)
-        kq = warpgroup_mma(k_c, q_c.permute((1, 0)), zc, is_async=True)
         qs = warpgroup_mma(sp_s.index(2), q_c.permute((1, 0)), zc, is_async=True)
         qs = warpgroup_mma(sp_s.index(1), q_c.permute((1, 0)), qs, is_async=True)
         qs = warpgroup_mma(sp_s.index(0), q_c.permute((1, 0)), qs, is_async=True)
-        # meanwhile: Aib's pieces [t, i] (the B operand Aib^T of the U dot) and the row factors
-        a1, a2, a3 = _split3(a_s.index(s).load(LD_A))
-        ap_s.index(0).store(a1)
-        ap_s.index(1).store(a2)
-        ap_s.index(2).store(a3)
+        # meanwhile: the row factors and v
         G = gl.load(gbuf + gb + tt)
         rk = gl.load(rbuf + 2 * gb + tt)
         vT = v_s.index(s).permute((1, 0)).load(ACC_C).to(gl.float32)
-        ks, kq, qs = warpgroup_mma_wait(0, deps=(ks, kq, qs))
+        ks, qs = warpgroup_mma_wait(0, deps=(ks, qs))
         _cta_barrier()      # S^T's pieces are read: their buffer now holds [64, 64] pieces
 
         # U^T = (V^T - KS^T diag(e^G rk)) Aib^T, six piece products
@@ -191,20 +197,13 @@ def _state_pass_wgmma(q_d, k_d, v_d, a_d, state, final_state, gbuf, rbuf, o_buf,
         sp_s.index(2).slice(0, 64, dim=1).store(r3)
         fence_async_shared()
         _cta_barrier()
+        mbarrier.wait(bars.index(2), c & 1)
         u = _six_products(sp_s, 0, ap_s, True, zc)
-        # meanwhile: QKD^T [i, t] = e^{G_t - G_i} rk_i rq_t k_i . q_t (i <= t), its pieces
-        causal = ii[:, None] <= tt[None, :]
-        Gi = gl.load(gbuf + gb + ii)
-        rk_i = gl.load(rbuf + 2 * gb + ii)
         rq = gl.load(rbuf + 2 * gb + 64 + tt)
-        qkd = gl.where(causal, gl.exp(gl.where(causal, G[None, :] - Gi[:, None], 0.0)), 0.0) \
-            * (rk_i[:, None] * rq[None, :]) * kq
-        p1, p2, p3 = _split3(qkd)
-        qk_s.index(0).store(p1)
-        qk_s.index(1).store(p2)
-        qk_s.index(2).store(p3)
         u = warpgroup_mma_wait(0, deps=(u,))
-        _cta_barrier()      # the right-hand side's pieces are read
+        _cta_barrier()      # the right-hand side's and Aib's pieces are read: refill Aib's
+        if c + 1 < NT:
+            _issue_pieces(p_d, ap_s, bars.index(2), c + 1, bh, NT, 0)
 
         # S^T <- e^{G_C} S^T + (U^T diag(rk e^{G_C - G})) K (the state is the accumulator), and
         # o^T = U^T QKD^T + qS^T diag(e^G rq)
@@ -221,13 +220,16 @@ def _state_pass_wgmma(q_d, k_d, v_d, a_d, state, final_state, gbuf, rbuf, o_buf,
         ST = warpgroup_mma(sp_s.index(2).slice(0, 64, dim=1), k_c, ST * gl.exp(G_C), is_async=True)
         ST = warpgroup_mma(sp_s.index(1).slice(0, 64, dim=1), k_c, ST, is_async=True)
         ST = warpgroup_mma(sp_s.index(0).slice(0, 64, dim=1), k_c, ST, is_async=True)
-        o = _six_products(sp_s, 64, qk_s, False, qs * (gl.exp(G) * rq)[None, :])
+        mbarrier.wait(bars.index(3), c & 1)
+        o = _six_products(sp_s, 64, qk_s, True, qs * (gl.exp(G) * rq)[None, :])
         ST, o = warpgroup_mma_wait(0, deps=(ST, o))
 
         o_base = ((i_b * T + c * 64).to(gl.int64) * HV + i_h) * 128 + v0
         gl.store(o_buf + o_base + (tt[None, :] * (HV * 128) + ii[:, None]), o,
                  mask=(tt < T - c * 64)[None, :])
-        _cta_barrier()     # every warp is done with this slot and the piece buffers before refills
+        _cta_barrier()     # every warp is done with this stage and the piece buffers before refills
+        if c + 1 < NT:
+            _issue_pieces(p_d, qk_s, bars.index(3), c + 1, bh, NT, 1)
     cols = v0 + gl.arange(0, 64, layout=ROWS_H)
     keys = gl.arange(0, 128, layout=COLS_H)
     gl.store(final_state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None], ST)
@@ -256,21 +258,22 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     dev = v.device
     gbuf = torch.empty(B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
     rbuf = torch.empty(2 * B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
-    ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)
+    ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)   # prologue scratch
+    pc_buf = torch.empty(B * HV * NT * 6 * CHUNK * CHUNK, dtype=torch.bfloat16, device=dev)
     o_buf = torch.empty(B * T * HV * V, dtype=torch.float32, device=dev)
     rows = B * T * HV
     k_d = TensorDescriptor.from_tensor(k.view(B * T, HK * K), [64, 128], SH_MMA.value)
     q_d = TensorDescriptor.from_tensor(q.view(B * T, HK * K), [64, 128], SH_MMA.value)
     v_d = TensorDescriptor.from_tensor(v.view(B * T, HV * V), [64, 64], SH_MMA.value)
-    a_d = TensorDescriptor.from_tensor(ai_buf.view(-1, 64), [64, 64], SH_F32.value)
+    p_d = TensorDescriptor.from_tensor(pc_buf.view(-1, 64), [64, 64], SH_MMA.value)
 
     def prep():
-        return tc._prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT,
-                                             K ** -0.5, tc.L2_EPS, HK=HK, HV=HV, K=K, DOT="bf16",
-                                             TLOAD=True, num_warps=4)
+        return tc._prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T,
+                                             NT, K ** -0.5, tc.L2_EPS, HK=HK, HV=HV, K=K, DOT="bf16",
+                                             TLOAD=True, PIECES=True, num_warps=4)
 
     def state_pass():
-        return _state_pass_wgmma[(B * HV * (V // COLS),)](q_d, k_d, v_d, a_d, state, final_state, gbuf,
+        return _state_pass_wgmma[(B * HV * (V // COLS),)](q_d, k_d, v_d, p_d, state, final_state, gbuf,
                                                          rbuf, o_buf, T, NT, HK=HK, HV=HV,
                                                          num_warps=WARPS)
 

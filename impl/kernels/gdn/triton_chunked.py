@@ -10,7 +10,8 @@ Three launches:
 1. ``_prep_kernel``, one program per (chunk, value head), all chunks in parallel: the gates, the
    l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D_i by the
    product form of their Neumann series, the blocks below them by block forward substitution, one
-   sub-diagonal at a time; batched 16 x 16 tf32x3 dots throughout).
+   sub-diagonal at a time; batched 16 x 16 tf32x3 dots throughout). With PIECES (gluon_chunked's
+   launch) it also writes the bf16 pieces of Aib and of the decayed q.k scores for its state pass.
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
@@ -81,9 +82,9 @@ def _block_offs(base, bi, bj, r16):
 
 
 @triton.jit
-def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l2_eps,
+def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, scale, l2_eps,
                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT: tl.constexpr,
-                 TLOAD: tl.constexpr):
+                 TLOAD: tl.constexpr, PIECES: tl.constexpr):
     c = tl.program_id(0)
     bh = tl.program_id(1)
     i_b = bh // HV
@@ -99,7 +100,8 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l
     kb = tl.load(k + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
     kf = kb.to(tl.float32)
     rk = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + l2_eps)
-    qf = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0).to(tl.float32)
+    qb = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
+    qf = qb.to(tl.float32)
     rq = scale / tl.sqrt(tl.sum(qf * qf, axis=1) + l2_eps)
     row_ab = (i_b * T + t).to(tl.int64) * HV + i_h
     aa = tl.load(a + row_ab, mask=m, other=0.0).to(tl.float32)
@@ -125,6 +127,20 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l
     decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], float("-inf")))
     A = tl.where(strict, (beta * rk)[:, None] * rk[None, :] * decay * KK, 0.0)
     tl.store(ai_buf + sq, A)
+    pc = (bh * NT + c).to(tl.int64) * (6 * 4096) + rc[:, None] * 64 + rc[None, :]
+    if PIECES:
+        # for gluon_chunked's state pass: the bf16 pieces of the decayed scores QKD [t, i] =
+        # e^{G_t - G_i} rq_t rk_i q^_t . k^_i (i <= t), planes 3-5 of six [64, 64] a (chunk, value head),
+        # formed here (beside A, sharing its decays) rather than once a chunk on the sequential path
+        QK = _bdot(qb, kbT, tl.zeros([64, 64], tl.float32), DOT)
+        diag = rc[:, None] == rc[None, :]
+        qkd = (decay + tl.where(diag, 1.0, 0.0)) * (rq[:, None] * rk[None, :]) * QK
+        p1 = round_to_bf16(qkd)
+        r = qkd - p1
+        p2 = round_to_bf16(r)
+        tl.store(pc_buf + pc + 3 * 4096, p1.to(tl.bfloat16))
+        tl.store(pc_buf + pc + 4 * 4096, p2.to(tl.bfloat16))
+        tl.store(pc_buf + pc + 5 * 4096, round_to_bf16(r - p2).to(tl.bfloat16))
     tl.debug_barrier()
     # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once
     i4 = tl.arange(0, 4)
@@ -181,8 +197,16 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT, scale, l
     tl.debug_barrier()
     lower = (rc[:, None] // 16) >= (rc[None, :] // 16)
     Aib = tl.load(ai_buf + sq, mask=lower, other=0.0) * beta[None, :]
-    tl.debug_barrier()
-    tl.store(ai_buf + sq, Aib)
+    if PIECES:   # planes 0-2: Aib's pieces [t, i]
+        a1 = round_to_bf16(Aib)
+        r = Aib - a1
+        a2 = round_to_bf16(r)
+        tl.store(pc_buf + pc, a1.to(tl.bfloat16))
+        tl.store(pc_buf + pc + 4096, a2.to(tl.bfloat16))
+        tl.store(pc_buf + pc + 2 * 4096, round_to_bf16(r - a2).to(tl.bfloat16))
+    else:
+        tl.debug_barrier()
+        tl.store(ai_buf + sq, Aib)
 
 
 @triton.jit
@@ -322,9 +346,9 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     R = 16
 
     def prep():
-        return _prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, T, NT,
+        return _prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, ai_buf, T, NT,
                                    scale, L2_EPS, HK=HK, HV=HV, K=K, DOT=dot, TLOAD=cfg["tload"],
-                                   num_warps=cfg["prep_warps"])
+                                   PIECES=False, num_warps=cfg["prep_warps"])
 
     def state_pass():
         return _state_pass_kernel[(B * HV * (V // bv),)](
