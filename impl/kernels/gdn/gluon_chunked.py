@@ -22,8 +22,9 @@ Triton gated RMSNorm. What changes:
   each thread holds half of every tile (no spills; one warp group spilled at 255 registers).
 - The row factors and v are read while KS^T and qS^T are in flight.
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
-  chunk reads the next sequence's rows (zeros past the tensor). Those rows meet only zeros (Aib's rows and
-  columns past T: beta = 0 there) and the causal mask, and their outputs are not stored.
+  chunk reads the next sequence's rows (zeros past the tensor). They are set to zero in shared memory
+  before use, as triton_chunked's masked loads would read them (Aib's rows and columns past T are zeros
+  too: beta = 0 there), so no value of another sequence reaches this one.
 
 Numerics, as triton_chunked's: every product is fp32-accurate. q and k are exact bf16 operands; an fp32
 operand is split into three bf16 pieces (x = x1 + x2 + x3, each the nearest bf16 of what the previous
@@ -61,7 +62,7 @@ HEAD = 128          # d_k = d_v
 COLS = 64           # state columns a program: the wgmma's M
 WARPS = 8
 
-# accumulators: [COLS, CHUNK] (KS^T, qS^T, U^T, o^T, and KQ [CHUNK, CHUNK]) and [COLS, HEAD] (S^T, upd^T)
+# accumulators: [COLS, CHUNK] (KS^T, qS^T, U^T, o^T) and [COLS, HEAD] (S^T)
 ACC_C = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 32, 16]))
 ACC_H = gl.constexpr(gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 2], instr_shape=[16, 64, 16]))
 ALONG_T = gl.constexpr(gl.SliceLayout(0, ACC_C.value))     # a vector over the columns (t) of ACC_C
@@ -70,6 +71,9 @@ ROWS_H = gl.constexpr(gl.SliceLayout(1, ACC_H.value))
 COLS_H = gl.constexpr(gl.SliceLayout(0, ACC_H.value))
 # shared tiles the wgmma reads: bf16, 128-byte swizzle
 SH_MMA = gl.constexpr(gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2))
+# generic reads and writes of the k, q [64, 128] and v [64, 64] tiles (16-byte vectors of a row)
+LD_KQ = gl.constexpr(gl.BlockedLayout([1, 8], [2, 16], [8, 1], [1, 0]))
+LD_V = gl.constexpr(gl.BlockedLayout([1, 8], [4, 8], [8, 1], [1, 0]))
 # the piece products of two split fp32 operands, smallest first (0 = the leading piece): every product
 # of relative order down to 2^-16, (3, 1), (2, 2), (1, 3), (2, 1), (1, 2), (1, 1) in pieces counted from 1
 PIECE_PAIRS = ((2, 0), (1, 1), (0, 2), (1, 0), (0, 1), (0, 0))
@@ -103,6 +107,14 @@ def _six_products(x_s, col0: gl.constexpr, y_s, y_transposed: gl.constexpr, acc)
 
 
 @gluon.jit
+def _zero_rows_from(tile, n, layout: gl.constexpr):
+    """Rows n.. of a bf16 tile in shared memory set to zero (read and written back in ``layout``)."""
+    x = tile.load(layout)
+    rows = gl.arange(0, x.shape[0], layout=gl.SliceLayout(1, layout))
+    tile.store(gl.where((rows < n)[:, None], x, 0.0).to(x.dtype))
+
+
+@gluon.jit
 def _issue_chunk(k_d, q_d, v_d, k_s, q_s, v_s, bar, c, i_b, i_h, i_hk, v0, T):
     """TMA of chunk c's k, q [64, 128] and v [64, 64 columns] into one ring stage (through
     [tokens, heads x 128] views: see the module's docstring for rows past T)."""
@@ -115,8 +127,8 @@ def _issue_chunk(k_d, q_d, v_d, k_s, q_s, v_s, bar, c, i_b, i_h, i_hk, v0, T):
 
 @gluon.jit
 def _issue_pieces(p_d, dst, bar, c, bh, NT, which: gl.constexpr):
-    """TMA of chunk c's three bf16 pieces of Aib (which = 0) or of QKD^T (which = 1), written by the
-    prologue, into dst [3, 64, 64]."""
+    """TMA of chunk c's three bf16 pieces of Aib (which = 0) or of QKD (which = 1), both [t, i], written
+    by the prologue, into dst [3, 64, 64]."""
     mbarrier.expect(bar, 3 * 64 * 64 * 2)
     for p in gl.static_range(3):
         _tma_load(p_d, [(bh * NT + c) * 384 + (which * 3 + p) * 64, 0], bar, dst.index(p))
@@ -142,7 +154,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
     # once S^T's pieces are read, their buffer holds [64, 64] pieces: columns 0-63 the right-hand
     # side's, then the scaled deltas'; columns 64-127 U^T's
     bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(4):   # the two ring stages, Aib's pieces, QKD^T's pieces
+    for i in gl.static_range(4):   # the two ring stages, Aib's pieces, QKD's pieces
         mbarrier.init(bars.index(i), count=1)
 
     # S^T [64 columns, 128 keys] = state[k, v0 + col]
@@ -167,6 +179,14 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         mbarrier.wait(bars.index(s), (c // 2) & 1)
         k_c = k_s.index(s)
         q_c = q_s.index(s)
+        if c * 64 + 64 > T:
+            # a partial last chunk: its rows past T were read from the next sequence; zero them, so
+            # that no value of another sequence (not even an inf or a NaN) reaches this one's products
+            _zero_rows_from(k_c, T - c * 64, LD_KQ)
+            _zero_rows_from(q_c, T - c * 64, LD_KQ)
+            _zero_rows_from(v_s.index(s), T - c * 64, LD_V)
+            fence_async_shared()
+            _cta_barrier()
 
         # S^T's pieces [64, 128] into shared memory: the A operand of KS^T and qS^T
         s1, s2, s3 = _split3(ST)
