@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import importlib
 import platform
 from pathlib import Path
 
@@ -37,8 +38,9 @@ from spec.ops import gdn
 from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 TIMED = ("gluon_chunked", "triton_chunked", "torch_chunked")
-# the chunked kernels whose launches (prologue, state pass, norm) are timed one by one too
-LAUNCHES = {"gluon_chunked": "impl.kernels.gdn.gluon_chunked", "triton_chunked": "impl.kernels.gdn.triton_chunked"}
+# the chunked kernels whose launches (prologue, state pass, norm) are timed one by one too: their
+# modules (the catalog's impl paths) have a launch_plan
+LAUNCHES = ("gluon_chunked", "triton_chunked")
 # Configurations seen to run on the H200 (2026-11-29); bv 32 with 8 warps, and k^T taken by tl.trans of
 # the loaded k tile ("tload": False), hit an illegal memory access in Triton 3.6, which ends the
 # process's CUDA context: run --sweep in a process of its own.
@@ -180,9 +182,8 @@ def main() -> None:
             row[name] = bench(lambda: fn(**i, out=out, final_state=fin))[0] if ok else float("nan")
             row[name + "_err"] = errs
             if ok and name in LAUNCHES:
-                import importlib
-
-                plan = importlib.import_module(LAUNCHES[name]).launch_plan(**i, out=out, final_state=fin)
+                module = importlib.import_module(op.impl_path(op.variant(name)).partition(":")[0])
+                plan = module.launch_plan(**i, out=out, final_state=fin)
                 row[name + "_launches"] = ", ".join(f"{n} {bench(la)[0]:.1f}" for n, la in plan)
         if args.sweep and T == 8192:
             for cfg in SWEEP:

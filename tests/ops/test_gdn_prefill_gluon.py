@@ -1,8 +1,8 @@
 """The Gluon state pass of the chunked GDN prefill (impl/kernels/gdn/gluon_chunked.py) without a GPU.
 
 Its numerics are certified on sm_90 only (Gluon has no interpreter: reports/receipts/sm_90.jsonl, cells
-short_t37, long_t8192, b3_t130, b1_t20 and b2_t2048 of certify/cells/gdn_prefill.yaml). What the CPU can check: that the
-piece products the kernel keeps for a product of two fp32 operands are fp32-accurate (a missing pair
+short_t37, long_t8192, b3_t130, b1_t20 and b2_t2048 of certify/cells/gdn_prefill.yaml). What the CPU
+can check: that the piece products the kernel keeps for a product of two fp32 operands are fp32-accurate (a missing pair
 would cost about 2^-17 relative, which only the GPU receipt would otherwise notice), that the kernel
 compiles for sm_90 on every cell that names it, that the prologue's PIECES mode (shared with
 triton_chunked, run here through Triton's interpreter) writes the planes the state pass reads, and that
