@@ -16,6 +16,11 @@ bf16 q/k/v/z, fp32 state), continuing from a random state as a chunked prefill d
   against the float64 recurrence output and their final state against the float64 final state
   (relative Frobenius error), and they are timed without the norm, so the comparison is conservative
   for the fused kernel.
+- After its timing, each variant's buffers (what the last CUDA-graph replay wrote) are compared bitwise
+  with the checked call's outputs: a launch that reads a stale host value or a stream it was not
+  ordered on shows there.
+- A chunked kernel's launches are also timed one by one, and one pipelined over ranges of chunks
+  (gluon_chunked) is timed whole at 1, 2 and 3 ranges.
 - torch_recurrent (a Python loop of ~10 launches a row) is not timed at these lengths.
 - ``--sweep`` also times the Triton kernel's launch configurations (state-column tile, warps, stages).
 """
@@ -175,16 +180,27 @@ def main() -> None:
         for name in TIMED:
             try:
                 fn = variant_callable(op, name)
-                ok, errs = check(name, run_variant(fn, case), ref, bands)
+                got = run_variant(fn, case)
+                ok, errs = check(name, got, ref, bands)
             except Exception as e:  # noqa: BLE001 - a variant that cannot run here is reported
                 ok, errs = False, f"not run ({type(e).__name__}: {str(e)[:80]})"
             out, fin = _buffers(case)
             row[name] = bench(lambda: fn(**i, out=out, final_state=fin))[0] if ok else float("nan")
+            if ok:   # the timed replays wrote out and fin: the same bits as the checked launch?
+                same = torch.equal(out, got["out"].to(out.device)) and torch.equal(
+                    fin, got["final_state"].to(fin.device))
+                errs += f"; CUDA-graph replay {'bitwise equal to' if same else 'DIFFERS from'} the checked call"
             row[name + "_err"] = errs
             if ok and name in LAUNCHES:
                 module = importlib.import_module(op.impl_path(op.variant(name)).partition(":")[0])
                 plan = module.launch_plan(**i, out=out, final_state=fin)
                 row[name + "_launches"] = ", ".join(f"{n} {bench(la)[0]:.1f}" for n, la in plan)
+                if hasattr(module, "default_parts"):   # pipelined over ranges of chunks
+                    times = {p: bench(lambda p=p: module.gdn_prefill_chunked(
+                        **i, out=out, final_state=fin, _parts=p))[0] for p in (1, 2, 3)}
+                    row[name + "_launches"] += "; whole call by ranges of chunks: " + ", ".join(
+                        f"{p} {us:.1f}" for p, us in times.items()) + (
+                        f" (default {module.default_parts(cell.axes['batch'], -(-T // 64))})")
         if args.sweep and T == 8192:
             for cfg in SWEEP:
                 fn = lambda **kw: triton_chunked.gdn_prefill_chunked(**kw, _config=cfg)  # noqa: E731

@@ -85,9 +85,9 @@ def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
     pc = torch.full((B * HV * NT * 6 * 4096,), float("nan")).to(torch.bfloat16)
     args = (c["q"], c["k"], c["a"], c["b"], c["A_log"], c["dt_bias"], gbuf, rbuf)
     common = dict(HK=HK, HV=HV, K=K, DOT="f32", TLOAD=True)
-    tc._prep_kernel[(NT, B * HV)](*args, ai_plain, ai_plain, T, NT, K ** -0.5, tc.L2_EPS, PIECES=False,
+    tc._prep_kernel[(NT, B * HK)](*args, ai_plain, ai_plain, T, NT, 0, K ** -0.5, tc.L2_EPS, PIECES=False,
                                   **common)
-    tc._prep_kernel[(NT, B * HV)](*args, ai_scratch, pc, T, NT, K ** -0.5, tc.L2_EPS, PIECES=True,
+    tc._prep_kernel[(NT, B * HK)](*args, ai_scratch, pc, T, NT, 0, K ** -0.5, tc.L2_EPS, PIECES=True,
                                   **common)
     planes = pc.double().view(B * HV, NT, 6, 64, 64)
     aib = ai_plain.double().view(B * HV, NT, 64, 64)
@@ -110,6 +110,68 @@ def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
             assert (planes[bh, ch, 3:6][:, ~causal] == 0).all()
     past_t = T - 64     # rows of the partial second chunk past the end
     assert (planes[:, 1, :, past_t:, :] == 0).all()
+
+
+@pytest.mark.skipif(not triton_support.INTERPRETING, reason="runs the prologue in Triton's interpreter")
+def test_prologue_by_ranges_of_chunks_is_bitwise_one_launch() -> None:
+    """gluon_chunked launches the prologue once per range of chunks (its first chunk C0): two launches
+    of one chunk each must write the same bits as one launch of both (gates, factors, Aib and the
+    pieces), from outputs poisoned with NaN. A range that ignored C0 would rewrite chunk 0 and leave
+    chunk 1's NaNs."""
+    from impl.kernels.gdn import triton_chunked as tc
+
+    c = _case()
+    B, T, HK, K = c["q"].shape
+    HV = c["v"].shape[2]
+    NT = 2
+    args = (c["q"], c["k"], c["a"], c["b"], c["A_log"], c["dt_bias"])
+    common = dict(HK=HK, HV=HV, K=K, DOT="f32", TLOAD=True, PIECES=True)
+
+    def buffers() -> list[torch.Tensor]:
+        return [torch.full((B * HV * NT * 64,), float("nan")), torch.full((2 * B * HV * NT * 64,), float("nan")),
+                torch.full((B * HV * NT * 4096,), float("nan")),
+                torch.full((B * HV * NT * 6 * 4096,), float("nan")).to(torch.bfloat16)]
+
+    whole, ranges = buffers(), buffers()
+    tc._prep_kernel[(NT, B * HK)](*args, *whole, T, NT, 0, K ** -0.5, tc.L2_EPS, **common)
+    for c0 in range(NT):
+        tc._prep_kernel[(1, B * HK)](*args, *ranges, T, NT, c0, K ** -0.5, tc.L2_EPS, **common)
+    for name, w, r in zip(("gbuf", "rbuf", "pieces"), (whole[0], whole[1], whole[3]),
+                          (ranges[0], ranges[1], ranges[3])):
+        assert not w.float().isnan().any(), name
+        assert torch.equal(w, r), name
+
+
+@pytest.mark.skipif(not triton_support.INTERPRETING, reason="runs the norm in Triton's interpreter")
+def test_gated_norm_by_row_ranges_of_each_sequence_is_bitwise_one_launch() -> None:
+    """The gated norm as gluon_chunked launches it once per range of chunks (rows row0 .. row0 + n - 1
+    of each sequence, the sequences seq_rows apart) writes the same bits as one launch over all rows.
+    Two sequences of 70 tokens, ranges of 64 and 6 tokens: a range that ignored the sequence axis or
+    row0 leaves NaNs or writes other rows."""
+    from impl.kernels.gdn import triton_chunked as tc
+
+    B, T, HV, V = 2, 70, 3, 128
+    g = torch.Generator().manual_seed(5)
+    o = torch.randn(B * T * HV * V, generator=g)
+    z = torch.randn(B * T * HV * V, generator=g).to(torch.bfloat16)
+    w = torch.rand(V, generator=g) + 0.5
+    rows = B * T * HV
+    whole = torch.full((rows * V,), float("nan")).to(torch.bfloat16)
+    ranges = whole.clone()
+    tc._gated_norm_kernel[(-(-rows // 16), 1)](o, z, w, whole, rows, 0, rows, tc.NORM_EPS, V=V, R=16)
+    for t0, t1 in ((0, 64), (64, T)):
+        n = (t1 - t0) * HV
+        tc._gated_norm_kernel[(-(-n // 16), B)](o, z, w, ranges, n, t0 * HV, T * HV, tc.NORM_EPS, V=V, R=16)
+    assert not whole.float().isnan().any()
+    assert torch.equal(whole, ranges)
+
+
+def test_ranges_of_chunks_follow_the_measured_rule() -> None:
+    """Two ranges from 64 chunks of work (sequences x chunks) on, else one (the figures are in
+    gluon_chunked's comment); never more ranges than chunks."""
+    assert gc.default_parts(1, 128) == gc.default_parts(1, 64) == gc.default_parts(2, 32) == 2
+    assert gc.default_parts(1, 63) == gc.default_parts(1, 32) == gc.default_parts(3, 3) == 1
+    assert gc.default_parts(128, 1) == 1
 
 
 def _case(K: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -2,9 +2,14 @@
 prologue and gated norm: certified against ``spec.ops.gdn.gdn_prefill`` (certify/cells/gdn_prefill.yaml).
 
 Same chunked form, launches and numerics as ``triton_chunked`` (its docstring has the algebra): the Triton
-prologue per (chunk, value head), this sequential state pass per (value head, 64 state columns), then the
+prologue per (chunk, key head), this sequential state pass per (value head, 64 state columns), then the
 Triton gated RMSNorm. What changes:
 
+- The launches are pipelined over ranges of chunks (``default_parts``; two from 64 chunks of work on):
+  the state pass of range i, on a high-priority stream, continues from range i - 1's final state
+  while the prologue of range i + 1 fills the SMs it leaves, and the norm of range i follows on a
+  third stream. Every range computes what one range would, so the result is bitwise the same for any
+  number of ranges (checked on the H200: reports/bench/gdn_prefill.md, section 000).
 - The prologue (``_prep_kernel`` with PIECES) also writes, for each (chunk, value head), the three bf16
   pieces of Aib [t, i] and of the decayed scores QKD [t, i] = e^{G_t - G_i} rq_t rk_i q^_t . k^_i
   (i <= t), the operands that depend on the chunk only: the sequential pass neither splits Aib nor forms
@@ -135,7 +140,7 @@ def _issue_pieces(p_d, dst, bar, c, bh, NT, which: gl.constexpr):
 
 
 @gluon.jit
-def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf, T, NT,
+def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf, T, NT, c0, c1,
                       HK: gl.constexpr, HV: gl.constexpr):
     pid = gl.program_id(0)
     i_v = pid % 2
@@ -162,21 +167,22 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
     keys = gl.arange(0, 128, layout=COLS_H)
     ST = gl.load(state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None])
 
-    _issue_chunk(k_d, q_d, v_d, k_s.index(0), q_s.index(0), v_s.index(0), bars.index(0), 0,
+    _issue_chunk(k_d, q_d, v_d, k_s.index(0), q_s.index(0), v_s.index(0), bars.index(0), c0,
                  i_b, i_h, i_hk, v0, T)
-    _issue_pieces(p_d, ap_s, bars.index(2), 0, bh, NT, 0)
-    _issue_pieces(p_d, qk_s, bars.index(3), 0, bh, NT, 1)
+    _issue_pieces(p_d, ap_s, bars.index(2), c0, bh, NT, 0)
+    _issue_pieces(p_d, qk_s, bars.index(3), c0, bh, NT, 1)
 
     tt = gl.arange(0, 64, layout=ALONG_T)
     ii = gl.arange(0, 64, layout=ALONG_R)
-    for c in range(NT):
-        s = c % 2
-        if c + 1 < NT:
+    for c in range(c0, c1):
+        j = c - c0      # this launch's iteration: the ring stage and the mbarrier phases
+        s = j % 2
+        if c + 1 < c1:
             _issue_chunk(k_d, q_d, v_d, k_s.index(1 - s), q_s.index(1 - s), v_s.index(1 - s),
                          bars.index(1 - s), c + 1, i_b, i_h, i_hk, v0, T)
         gb = (bh * NT + c).to(gl.int64) * 64
         G_C = gl.load(gbuf + gb + 63)
-        mbarrier.wait(bars.index(s), (c // 2) & 1)
+        mbarrier.wait(bars.index(s), (j // 2) & 1)
         k_c = k_s.index(s)
         q_c = q_s.index(s)
         if c * 64 + 64 > T:
@@ -217,12 +223,12 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         sp_s.index(2).slice(0, 64, dim=1).store(r3)
         fence_async_shared()
         _cta_barrier()
-        mbarrier.wait(bars.index(2), c & 1)
+        mbarrier.wait(bars.index(2), j & 1)
         u = _six_products(sp_s, 0, ap_s, True, zc)
         rq = gl.load(rbuf + 2 * gb + 64 + tt)
         u = warpgroup_mma_wait(0, deps=(u,))
         _cta_barrier()      # the right-hand side's and Aib's pieces are read: refill Aib's
-        if c + 1 < NT:
+        if c + 1 < c1:
             _issue_pieces(p_d, ap_s, bars.index(2), c + 1, bh, NT, 0)
 
         # S^T <- e^{G_C} S^T + (U^T diag(rk e^{G_C - G})) K (the state is the accumulator), and
@@ -240,7 +246,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         ST = warpgroup_mma(sp_s.index(2).slice(0, 64, dim=1), k_c, ST * gl.exp(G_C), is_async=True)
         ST = warpgroup_mma(sp_s.index(1).slice(0, 64, dim=1), k_c, ST, is_async=True)
         ST = warpgroup_mma(sp_s.index(0).slice(0, 64, dim=1), k_c, ST, is_async=True)
-        mbarrier.wait(bars.index(3), c & 1)
+        mbarrier.wait(bars.index(3), j & 1)
         o = _six_products(sp_s, 64, qk_s, True, qs * (gl.exp(G) * rq)[None, :])
         ST, o = warpgroup_mma_wait(0, deps=(ST, o))
 
@@ -248,32 +254,46 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         gl.store(o_buf + o_base + (tt[None, :] * (HV * 128) + ii[:, None]), o,
                  mask=(tt < T - c * 64)[None, :])
         _cta_barrier()     # every warp is done with this stage and the piece buffers before refills
-        if c + 1 < NT:
+        if c + 1 < c1:
             _issue_pieces(p_d, qk_s, bars.index(3), c + 1, bh, NT, 1)
     cols = v0 + gl.arange(0, 64, layout=ROWS_H)
     keys = gl.arange(0, 128, layout=COLS_H)
     gl.store(final_state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None], ST)
 
 
-def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state) -> list:
-    """The launches of one prefill as [(name, callable)], in order (the benchmark times each)."""
+# The chunks are cut into ranges: the state pass of range i (sequential over its chunks; 96 programs at
+# the target geometry, one an SM, 252 registers a thread, so nothing else fits beside one) runs on a
+# high-priority stream while the prologue of range i + 1 fills the SMs it leaves, and the gated norm of
+# range i follows on a third stream. Two ranges once a launch has 64 chunks of work (sequences x
+# chunks), else one: on the H200 (reports/bench/gdn_prefill.md, section 000) two ranges took 1166 us
+# against 1264 us for one at T = 8192 and three or four ranges 1200-1236 us; at 32 chunks and fewer
+# each extra range cost 24-50 us (the exposed first prologue and the extra launches).
+MIN_CHUNKS_A_RANGE = 32
+MAX_PARTS = 2
+PREP_WARPS = 4      # the prologue's warps (8: 462 against 312 us at T = 8192)
+_STREAMS: dict = {}
+
+
+def default_parts(batch: int, n_chunks: int) -> int:
+    """Chunk ranges of a launch of ``batch`` sequences of ``n_chunks`` chunks each."""
+    return max(1, min(MAX_PARTS, batch * n_chunks // MIN_CHUNKS_A_RANGE, n_chunks))
+
+
+def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, parts: int) -> list:
+    """The launches of one prefill as [(prologue, state pass, gated norm)], one triple per range of
+    chunks (none for T = 0); state pass i continues from state pass i - 1's final_state."""
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    for x in (q, k, v, a, b, z, state, out, final_state):
-        assert x.is_contiguous(), "the chunked GDN kernels read and write contiguous tensors"
+    tc.check_prefill_args(q, k, v, a, b, z, state, out, final_state)
     if (K, V) != (HEAD, HEAD) or HV % HK:
         raise ValueError(f"gluon_chunked supports d_k = d_v = {HEAD} and whole key-head groups "
                          f"(got K={K} V={V} HK={HK} HV={HV})")
     if q.dtype != torch.bfloat16 or k.dtype != torch.bfloat16 or v.dtype != torch.bfloat16:
         raise ValueError("gluon_chunked reads bf16 q, k and v (TMA tiles of the tensor-core operands)")
-    if z.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
-        raise ValueError("the gated norm rounds to bf16: z and out must be bf16")
-    if state.dtype != torch.float32 or final_state.dtype != torch.float32:
-        raise ValueError("the chunked prefill keeps an fp32 state")
     if INTERPRETING:
         raise ValueError("gluon_chunked: Triton's interpreter does not run Gluon kernels (sm_90 only)")
     if T == 0:
-        return [("copy", lambda: final_state.copy_(state))]
+        return []
     NT = triton.cdiv(T, CHUNK)
     dev = v.device
     gbuf = torch.empty(B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
@@ -281,30 +301,77 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)   # prologue scratch
     pc_buf = torch.empty(B * HV * NT * 6 * CHUNK * CHUNK, dtype=torch.bfloat16, device=dev)
     o_buf = torch.empty(B * T * HV * V, dtype=torch.float32, device=dev)
-    rows = B * T * HV
     k_d = TensorDescriptor.from_tensor(k.view(B * T, HK * K), [64, 128], SH_MMA.value)
     q_d = TensorDescriptor.from_tensor(q.view(B * T, HK * K), [64, 128], SH_MMA.value)
     v_d = TensorDescriptor.from_tensor(v.view(B * T, HV * V), [64, 64], SH_MMA.value)
     p_d = TensorDescriptor.from_tensor(pc_buf.view(-1, 64), [64, 64], SH_MMA.value)
+    parts = max(1, min(parts, NT))
+    bounds = [NT * i // parts for i in range(parts + 1)]
 
-    def prep():
-        return tc._prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T,
-                                             NT, K ** -0.5, tc.L2_EPS, HK=HK, HV=HV, K=K, DOT="bf16",
-                                             TLOAD=True, PIECES=True, num_warps=4)
+    def prep(c0, c1):
+        return lambda: tc._prep_kernel[(c1 - c0, B * HK)](
+            q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, c0, K ** -0.5, tc.L2_EPS,
+            HK=HK, HV=HV, K=K, DOT="bf16", TLOAD=True, PIECES=True, num_warps=PREP_WARPS)
 
-    def state_pass():
-        return _state_pass_wgmma[(B * HV * (V // COLS),)](q_d, k_d, v_d, p_d, state, final_state, gbuf,
-                                                         rbuf, o_buf, T, NT, HK=HK, HV=HV,
-                                                         num_warps=WARPS)
+    def state_pass(c0, c1):
+        src = state if c0 == 0 else final_state
+        return lambda: _state_pass_wgmma[(B * HV * (V // COLS),)](
+            q_d, k_d, v_d, p_d, src, final_state, gbuf, rbuf, o_buf, T, NT, c0, c1, HK=HK, HV=HV,
+            num_warps=WARPS)
 
-    def norm():
-        return tc._gated_norm_kernel[(triton.cdiv(rows, 16),)](o_buf, z, norm_w, out, rows, tc.NORM_EPS,
-                                                             V=V, R=16, num_warps=4)
+    def norm(c0, c1):
+        row0, n_rows = c0 * CHUNK * HV, (min(c1 * CHUNK, T) - c0 * CHUNK) * HV   # rows of each sequence
+        return lambda: tc._gated_norm_kernel[(triton.cdiv(n_rows, 16), B)](
+            o_buf, z, norm_w, out, n_rows, row0, T * HV, tc.NORM_EPS, V=V, R=16, num_warps=4)
 
+    return [(prep(c0, c1), state_pass(c0, c1), norm(c0, c1)) for c0, c1 in zip(bounds, bounds[1:])]
+
+
+def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state) -> list:
+    """The launches of one prefill in one range of chunks, as [(name, callable)] in order (the
+    benchmark times each)."""
+    stages = _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, 1)
+    if not stages:
+        return [("copy", lambda: final_state.copy_(state))]
+    ((prep, state_pass, norm),) = stages
     return [("prep", prep), ("state_pass", state_pass), ("norm", norm)]
 
 
-def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out, final_state) -> None:
-    """Chunked GDN prefill (sm_90), same contract as triton_chunked.gdn_prefill_chunked."""
-    for _, launch in launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state):
-        launch()
+def _side_streams(device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(high-priority stream for the state passes, stream for the norms), one pair a device."""
+    if device not in _STREAMS:
+        _STREAMS[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device))
+    return _STREAMS[device]
+
+
+def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out, final_state,
+                        _parts: int | None = None) -> None:
+    """Chunked GDN prefill (sm_90), same contract as triton_chunked.gdn_prefill_chunked, pipelined over
+    ranges of chunks (see MIN_CHUNKS_A_RANGE). The streams fork from and join the caller's current
+    stream through events, so the call is ordered like a single launch and can be captured in a CUDA
+    graph. Every range computes the same values as one range does: the result is bitwise the same for
+    any number of ranges."""
+    B, T = q.shape[:2]
+    parts = default_parts(B, triton.cdiv(T, CHUNK)) if _parts is None else _parts
+    stages = _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, parts)
+    if not stages:
+        final_state.copy_(state)
+        return
+    if len(stages) == 1 or v.device.type != "cuda":    # v on the CPU: a compile-only check
+        for launch in (x for stage in stages for x in stage):
+            launch()
+        return
+    main = torch.cuda.current_stream(v.device)
+    high, low = _side_streams(v.device)
+    high.wait_stream(main)
+    low.wait_stream(main)
+    for prep, state_pass, norm in stages:
+        prep()
+        high.wait_event(main.record_event())
+        with torch.cuda.stream(high):
+            state_pass()
+        low.wait_event(high.record_event())
+        with torch.cuda.stream(low):
+            norm()
+    main.wait_stream(high)
+    main.wait_stream(low)

@@ -7,17 +7,21 @@ decay G_t = sum_{i<=t} g_i, the deltas solve ``(I + A) U = diag(beta) (V - e^G (
 e^{G_t - G_i} (q^_t . k^_i) u_i`` and ``S' = e^{G_C} S + sum_i e^{G_C - G_i} k^_i u_i^T``.
 
 Three launches:
-1. ``_prep_kernel``, one program per (chunk, value head), all chunks in parallel: the gates, the
-   l2norm factors and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D_i by the
-   product form of their Neumann series, the blocks below them by block forward substitution, one
-   sub-diagonal at a time; batched 16 x 16 tf32x3 dots throughout). With PIECES (gluon_chunked's
-   launch) it also writes the bf16 pieces of Aib and of the decayed q.k scores for its state pass.
+1. ``_prep_kernel``, one program per (chunk, key head), all chunks in parallel (from chunk C0, so a
+   caller can launch it by ranges of chunks): the l2norm factors and the dot k.k (with PIECES also
+   q.k) once, shared by the key head's value heads; then per value head (``_prep_head``) the gates
+   and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D_i by the product form of
+   their Neumann series, the blocks below them by block forward substitution, one sub-diagonal at a
+   time; batched 16 x 16 tf32x3 dots throughout). With PIECES (gluon_chunked's launch) it also writes
+   the bf16 pieces of Aib and of the decayed q.k scores for its state pass. One program a value head,
+   with its own k.k and q.k, took 380 us at long_t8192 on the H200 with PIECES, against 312 us.
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
    cheaper than a round trip through memory) and the state carry. The state's columns are independent
    (only the gated norm couples them), so V splits into tiles for parallelism.
-3. ``_gated_norm_kernel``: the gated RMSNorm over whole rows of o (fused into 2. when BV == V).
+3. ``_gated_norm_kernel``: the gated RMSNorm over whole rows of o (fused into 2. when BV == V), over
+   a range of rows of each sequence.
 
 Numerics (the cell bands are fp32-tight on the state, 64 eps RMS, and 2 bf16 ulp on out; see
 gdn_prefill.yaml): every product is fp32-accurate. q and k enter every dot as their bf16 values (the
@@ -82,27 +86,48 @@ def _block_offs(base, bi, bj, r16):
 
 
 @triton.jit
-def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, scale, l2_eps,
+def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, C0, scale, l2_eps,
                  HK: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, DOT: tl.constexpr,
                  TLOAD: tl.constexpr, PIECES: tl.constexpr):
-    c = tl.program_id(0)
-    bh = tl.program_id(1)
-    i_b = bh // HV
-    i_h = bh % HV
-    i_hk = i_h // (HV // HK)
+    c = C0 + tl.program_id(0)     # chunks C0 .. C0 + the grid's first axis - 1
+    bg = tl.program_id(1)         # (sequence, key head): the key head's value heads in turn
+    i_b = bg // HK
+    i_hk = bg % HK
     rc = tl.arange(0, 64)
     offs_k = tl.arange(0, K)
     t = c * 64 + rc
     m = t < T
     row_qk = (i_b * T + t).to(tl.int64) * HK + i_hk
     # keys as their bf16 values: the bf16 dot's products are exact and fp32-accumulated; the l2norm
-    # factors scale the dot's result.
+    # factors scale the dot's result. k, q, their norms and the dots k.k, q.k are shared by the key
+    # head's value heads (their decays and betas differ)
     kb = tl.load(k + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
     kf = kb.to(tl.float32)
     rk = 1.0 / tl.sqrt(tl.sum(kf * kf, axis=1) + l2_eps)
     qb = tl.load(q + row_qk[:, None] * K + offs_k[None, :], mask=m[:, None], other=0.0)
     qf = qb.to(tl.float32)
     rq = scale / tl.sqrt(tl.sum(qf * qf, axis=1) + l2_eps)
+    if TLOAD:   # k^T as its own load (one use per loaded tile)
+        kbT = tl.load(k + row_qk[None, :] * K + offs_k[:, None], mask=m[None, :], other=0.0)
+    else:
+        kbT = tl.trans(kb)
+    KK = _bdot(kb, kbT, tl.zeros([64, 64], tl.float32), DOT) * (rk[:, None] * rk[None, :])
+    if PIECES:
+        QK = _bdot(qb, kbT, tl.zeros([64, 64], tl.float32), DOT) * (rq[:, None] * rk[None, :])
+    strict = rc[:, None] > rc[None, :]
+    for j in range(HV // HK):
+        i_h = i_hk * (HV // HK) + j
+        bh = i_b * HV + i_h
+        _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK if PIECES else KK, rk, rq,
+                   m, t, strict, c, bh, i_b, i_h, T, NT, HV, PIECES)
+
+
+@triton.jit
+def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq, m, t, strict, c, bh,
+               i_b, i_h, T, NT, HV: tl.constexpr, PIECES: tl.constexpr):
+    """One value head of a prologue program: its gates, A and (I + A)^{-1} diag(beta) (and with
+    PIECES the bf16 pieces of Aib and QKD). KK = rk rk^T (k.k), QK = rq rk^T (q.k), both [t, i]."""
+    rc = tl.arange(0, 64)
     row_ab = (i_b * T + t).to(tl.int64) * HV + i_h
     aa = tl.load(a + row_ab, mask=m, other=0.0).to(tl.float32)
     bb = tl.load(b + row_ab, mask=m, other=0.0).to(tl.float32)
@@ -116,25 +141,18 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, 
     tl.store(gbuf + base + rc, G)
     tl.store(rbuf + 2 * base + rc, rk)
     tl.store(rbuf + 2 * base + 64 + rc, rq)
-    if TLOAD:   # k^T as its own load (one use per loaded tile)
-        kbT = tl.load(k + row_qk[None, :] * K + offs_k[:, None], mask=m[None, :], other=0.0)
-    else:
-        kbT = tl.trans(kb)
-    KK = _bdot(kb, kbT, tl.zeros([64, 64], tl.float32), DOT)
     sq = (bh * NT + c).to(tl.int64) * 4096 + rc[:, None] * 64 + rc[None, :]
     # A[t, i] = beta_t e^{G_t - G_i} k^_t . k^_i for i < t
-    strict = rc[:, None] > rc[None, :]
     decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], float("-inf")))
-    A = tl.where(strict, (beta * rk)[:, None] * rk[None, :] * decay * KK, 0.0)
+    A = tl.where(strict, beta[:, None] * decay * KK, 0.0)
     tl.store(ai_buf + sq, A)
     pc = (bh * NT + c).to(tl.int64) * (6 * 4096) + rc[:, None] * 64 + rc[None, :]
     if PIECES:
         # for gluon_chunked's state pass: the bf16 pieces of the decayed scores QKD [t, i] =
         # e^{G_t - G_i} rq_t rk_i q^_t . k^_i (i <= t), planes 3-5 of six [64, 64] a (chunk, value head),
         # formed here (beside A, sharing its decays) rather than once a chunk on the sequential path
-        QK = _bdot(qb, kbT, tl.zeros([64, 64], tl.float32), DOT)
         diag = rc[:, None] == rc[None, :]
-        qkd = (decay + tl.where(diag, 1.0, 0.0)) * (rq[:, None] * rk[None, :]) * QK
+        qkd = (decay + tl.where(diag, 1.0, 0.0)) * QK
         p1 = round_to_bf16(qkd)
         r = qkd - p1
         p2 = round_to_bf16(r)
@@ -145,9 +163,9 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, 
     # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once
     i4 = tl.arange(0, 4)
     r16 = tl.arange(0, 16)
-    off3 = (bh * NT + c).to(tl.int64) * 4096 + (i4[:, None, None] * 16 + r16[None, :, None]) * 64 \
+    diag_blocks = (bh * NT + c).to(tl.int64) * 4096 + (i4[:, None, None] * 16 + r16[None, :, None]) * 64 \
         + i4[:, None, None] * 16 + r16[None, None, :]
-    Ad = tl.load(ai_buf + off3)
+    Ad = tl.load(ai_buf + diag_blocks)
     # A_b is strictly lower (A_b^16 = 0): (I + A_b)^{-1} = (I - A_b)(I + A_b^2)(I + A_b^4)(I + A_b^8),
     # six batched 16 x 16 tf32x3 dots for the four blocks at once (X[b] = D_b below). With a row-by-row
     # forward substitution instead (15 dependent steps of cross-thread reductions and barriers) this
@@ -174,7 +192,7 @@ def _prep_kernel(q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, T, NT, 
     As2 = tl.load(ai_buf + _block_offs(base, i4, i4 - 2, r16), mask=m2, other=0.0)
     As3 = tl.load(ai_buf + _block_offs(base, i4, i4 - 3, r16), mask=m3, other=0.0)
     tl.debug_barrier()
-    tl.store(ai_buf + off3, X)
+    tl.store(ai_buf + diag_blocks, X)
     tl.debug_barrier()
     D1 = tl.load(ai_buf + _block_offs(base, i4 - 1, i4 - 1, r16), mask=m1, other=0.0)
     X1 = -tl.dot(X, tl.dot(As1, D1, input_precision="tf32x3"), input_precision="tf32x3")
@@ -292,9 +310,12 @@ def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_bu
 
 
 @triton.jit
-def _gated_norm_kernel(o_buf, z, norm_w, out, n_rows, norm_eps, V: tl.constexpr, R: tl.constexpr):
-    rows = tl.program_id(0) * R + tl.arange(0, R)
-    m = rows < n_rows
+def _gated_norm_kernel(o_buf, z, norm_w, out, n_rows, row0, seq_rows, norm_eps, V: tl.constexpr,
+                       R: tl.constexpr):
+    """Rows row0 .. row0 + n_rows - 1 of each sequence (program_id(1); seq_rows rows apart)."""
+    local = tl.program_id(0) * R + tl.arange(0, R)
+    m = local < n_rows
+    rows = tl.program_id(1).to(tl.int64) * seq_rows + row0 + local
     offs = tl.arange(0, V)
     ptr = rows[:, None].to(tl.int64) * V + offs[None, :]
     o = tl.load(o_buf + ptr, mask=m[:, None], other=0.0)
@@ -314,17 +335,22 @@ def default_config(V: int) -> dict:
     return {**_DEFAULT_CONFIG, "bv": min(V, _DEFAULT_CONFIG["bv"])}
 
 
-def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state,
-                config: dict | None = None) -> list:
-    """The launches of one prefill as [(name, callable)], in order (the benchmark times each)."""
-    B, T, HK, K = q.shape
-    HV, V = v.shape[2], v.shape[3]
+def check_prefill_args(q, k, v, a, b, z, state, out, final_state) -> None:
+    """What every chunked prefill kernel here (and gluon_chunked) needs of its tensors."""
     for x in (q, k, v, a, b, z, state, out, final_state):
         assert x.is_contiguous(), "the chunked GDN kernels read and write contiguous tensors"
     if z.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         raise ValueError("the gated norm rounds to bf16: z and out must be bf16")
     if state.dtype != torch.float32 or final_state.dtype != torch.float32:
         raise ValueError("the chunked prefill keeps an fp32 state")
+
+
+def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state,
+                config: dict | None = None) -> list:
+    """The launches of one prefill as [(name, callable)], in order (the benchmark times each)."""
+    B, T, HK, K = q.shape
+    HV, V = v.shape[2], v.shape[3]
+    check_prefill_args(q, k, v, a, b, z, state, out, final_state)
     if K % 16 or V % 16 or HV % HK:
         raise ValueError(f"unsupported geometry K={K} V={V} HK={HK} HV={HV}")
     cfg = {**default_config(V), **(config or {})}
@@ -346,8 +372,8 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     R = 16
 
     def prep():
-        return _prep_kernel[(NT, B * HV)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, ai_buf, T, NT,
-                                   scale, L2_EPS, HK=HK, HV=HV, K=K, DOT=dot, TLOAD=cfg["tload"],
+        return _prep_kernel[(NT, B * HK)](q, k, a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, ai_buf, T, NT,
+                                   0, scale, L2_EPS, HK=HK, HV=HV, K=K, DOT=dot, TLOAD=cfg["tload"],
                                    PIECES=False, num_warps=cfg["prep_warps"])
 
     def state_pass():
@@ -360,8 +386,8 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
             num_stages=cfg["num_stages"])
 
     def norm():
-        return _gated_norm_kernel[(triton.cdiv(rows, R),)](o_buf, z, norm_w, out, rows, NORM_EPS, V=V, R=R,
-                                                    num_warps=4)
+        return _gated_norm_kernel[(triton.cdiv(rows, R), 1)](o_buf, z, norm_w, out, rows, 0, rows, NORM_EPS,
+                                                       V=V, R=R, num_warps=4)
 
     plan = [("prep", prep), ("state_pass", state_pass)]
     return plan if fuse else plan + [("norm", norm)]
