@@ -20,7 +20,7 @@ bf16 q/k/v/z, fp32 state), continuing from a random state as a chunked prefill d
   with the checked call's outputs: a launch that reads a stale host value or a stream it was not
   ordered on shows there.
 - A chunked kernel's launches are also timed one by one, and one pipelined over ranges of chunks
-  (gluon_chunked) is timed whole at 1, 2 and 3 ranges.
+  (gluon_chunked) is timed whole at 1, 2 and 3 ranges, each compared bitwise with the checked call.
 - torch_recurrent (a Python loop of ~10 launches a row) is not timed at these lengths.
 - ``--sweep`` also times the Triton kernel's launch configurations (state-column tile, warps, stages).
 """
@@ -196,10 +196,14 @@ def main() -> None:
                 plan = module.launch_plan(**i, out=out, final_state=fin)
                 row[name + "_launches"] = ", ".join(f"{n} {bench(la)[0]:.1f}" for n, la in plan)
                 if hasattr(module, "default_parts"):   # pipelined over ranges of chunks
-                    times = {p: bench(lambda p=p: module.gdn_prefill_chunked(
-                        **i, out=out, final_state=fin, _parts=p))[0] for p in (1, 2, 3)}
-                    row[name + "_launches"] += "; whole call by ranges of chunks: " + ", ".join(
-                        f"{p} {us:.1f}" for p, us in times.items()) + (
+                    parts = []
+                    for p in (1, 2, 3):   # each timed, then its last replay's bits against the checked call
+                        us = bench(lambda p=p: module.gdn_prefill_chunked(**i, out=out, final_state=fin,
+                                                                          _parts=p))[0]
+                        same = torch.equal(out, got["out"].to(out.device)) and torch.equal(
+                            fin, got["final_state"].to(fin.device))
+                        parts.append(f"{p} {us:.1f}" + ("" if same else " (DIFFERS from the checked call)"))
+                    row[name + "_launches"] += "; whole call by ranges of chunks: " + ", ".join(parts) + (
                         f" (default {module.default_parts(cell.axes['batch'], -(-T // 64))})")
         if args.sweep and T == 8192:
             for cfg in SWEEP:

@@ -166,6 +166,55 @@ def test_gated_norm_by_row_ranges_of_each_sequence_is_bitwise_one_launch() -> No
     assert torch.equal(whole, ranges)
 
 
+class _Recorder:
+    """Stands in for a kernel: ``kernel[grid](*args, **kw)`` appends (name, grid, args) to a log."""
+
+    def __init__(self, name: str, log: list) -> None:
+        self.name, self.log = name, log
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.log.append((self.name, grid, args))
+
+
+def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch) -> None:
+    """gluon_chunked's schedule with its three kernels replaced by recorders (Gluon does not run here).
+    Two sequences of 4229 tokens: 67 chunks, two ranges by the rule, split at chunk 33. The launches
+    come as prologue, state pass, norm per range; the prologues cover chunks 0-66 once; the first state
+    pass starts from ``state`` and the second from ``final_state`` (where the first left it); the
+    norms cover every row of each sequence exactly once and none past T."""
+    from impl.kernels.gdn import triton_chunked as tc
+
+    log: list = []
+    monkeypatch.setattr(gc, "INTERPRETING", False)
+    monkeypatch.setattr(gc, "_state_pass_wgmma", _Recorder("state_pass", log))
+    monkeypatch.setattr(tc, "_prep_kernel", _Recorder("prep", log))
+    monkeypatch.setattr(tc, "_gated_norm_kernel", _Recorder("norm", log))
+    B, T, HK, HV, K = 2, 4229, 2, 6, 128
+    bf16 = dict(dtype=torch.bfloat16)
+    case = dict(q=torch.zeros(B, T, HK, K, **bf16), k=torch.zeros(B, T, HK, K, **bf16),
+                v=torch.zeros(B, T, HV, K, **bf16), a=torch.zeros(B, T, HV, **bf16),
+                b=torch.zeros(B, T, HV, **bf16), A_log=torch.zeros(HV), dt_bias=torch.zeros(HV),
+                z=torch.zeros(B, T, HV, K, **bf16), norm_w=torch.ones(K), state=torch.zeros(B, HV, K, K))
+    final_state = torch.empty_like(case["state"])
+    gc.gdn_prefill_chunked(**case, out=torch.empty_like(case["z"]), final_state=final_state)
+
+    assert [name for name, _, _ in log] == ["prep", "state_pass", "norm"] * 2
+    NT = 67
+    preps = [(args[12], grid[0]) for name, grid, args in log if name == "prep"]
+    assert preps == [(0, 33), (33, 34)]
+    passes = [(args[11], args[12], args[4]) for name, _, args in log if name == "state_pass"]
+    assert [(c0, c1) for c0, c1, _ in passes] == [(0, 33), (33, NT)]
+    assert passes[0][2] is case["state"] and passes[1][2] is final_state
+    covered = torch.zeros(B, T * HV, dtype=torch.int64)
+    for name, grid, args in log:
+        if name == "norm":
+            n_rows, row0, seq_rows = args[4], args[5], args[6]
+            assert seq_rows == T * HV and grid[1] == B and grid[0] * 16 >= n_rows
+            assert row0 + n_rows <= T * HV
+            covered[:, row0:row0 + n_rows] += 1
+    assert (covered == 1).all()
+
+
 def test_ranges_of_chunks_follow_the_measured_rule() -> None:
     """Two ranges from 64 chunks of work (sequences x chunks) on, else one (the figures are in
     gluon_chunked's comment); never more ranges than chunks."""

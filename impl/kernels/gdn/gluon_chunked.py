@@ -1,15 +1,15 @@
 """Gluon state pass of the chunked GDN prefill for sm_90 (warp-group MMA, TMA), between triton_chunked's
 prologue and gated norm: certified against ``spec.ops.gdn.gdn_prefill`` (certify/cells/gdn_prefill.yaml).
 
-Same chunked form, launches and numerics as ``triton_chunked`` (its docstring has the algebra): the Triton
-prologue per (chunk, key head), this sequential state pass per (value head, 64 state columns), then the
-Triton gated RMSNorm. What changes:
+Same chunked form and numerics as ``triton_chunked`` (its docstring has the algebra), and the same three
+kinds of launch: the Triton prologue per (chunk, key head), this sequential state pass per (value head,
+64 state columns), then the Triton gated RMSNorm. What changes:
 
 - The launches are pipelined over ranges of chunks (``default_parts``; two from 64 chunks of work on):
   the state pass of range i, on a high-priority stream, continues from range i - 1's final state
   while the prologue of range i + 1 fills the SMs it leaves, and the norm of range i follows on a
   third stream. Every range computes what one range would, so the result is bitwise the same for any
-  number of ranges (checked on the H200: reports/bench/gdn_prefill.md, section 000).
+  number of ranges (checked on the H200: reports/bench/gdn_prefill.md, section 0000).
 - The prologue (``_prep_kernel`` with PIECES) also writes, for each (chunk, value head), the three bf16
   pieces of Aib [t, i] and of the decayed scores QKD [t, i] = e^{G_t - G_i} rq_t rk_i q^_t . k^_i
   (i <= t), the operands that depend on the chunk only: the sequential pass neither splits Aib nor forms
@@ -265,7 +265,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
 # the target geometry, one an SM, 252 registers a thread, so nothing else fits beside one) runs on a
 # high-priority stream while the prologue of range i + 1 fills the SMs it leaves, and the gated norm of
 # range i follows on a third stream. Two ranges once a launch has 64 chunks of work (sequences x
-# chunks), else one: on the H200 (reports/bench/gdn_prefill.md, section 000) two ranges took 1166 us
+# chunks), else one: on the H200 (reports/bench/gdn_prefill.md, section 0000) two ranges took 1166 us
 # against 1264 us for one at T = 8192 and three or four ranges 1200-1236 us; at 32 chunks and fewer
 # each extra range cost 24-50 us (the exposed first prologue and the extra launches).
 MIN_CHUNKS_A_RANGE = 32
@@ -337,11 +337,21 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     return [("prep", prep), ("state_pass", state_pass), ("norm", norm)]
 
 
-def _side_streams(device) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
-    """(high-priority stream for the state passes, stream for the norms), one pair a device."""
-    if device not in _STREAMS:
-        _STREAMS[device] = (torch.cuda.Stream(device, priority=-1), torch.cuda.Stream(device))
-    return _STREAMS[device]
+def _side_streams(main: torch.cuda.Stream) -> tuple[torch.cuda.Stream, torch.cuda.Stream]:
+    """(high-priority stream for the state passes, stream for the norms), neither of them the caller's
+    stream ``main``: PyTorch hands streams out of a round-robin pool, so a new one can be the caller's,
+    and a norm queued on the caller's stream would hold the next range's prologue behind the state
+    pass it waits for."""
+    pairs = _STREAMS.setdefault(main.device, [])
+    for high, low in pairs:
+        if main != high and main != low:
+            return high, low
+    for _ in range(64):
+        high, low = torch.cuda.Stream(main.device, priority=-1), torch.cuda.Stream(main.device)
+        if main != high and main != low:
+            pairs.append((high, low))
+            return high, low
+    raise RuntimeError("gluon_chunked: no side streams other than the caller's")
 
 
 def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out, final_state,
@@ -362,16 +372,18 @@ def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out,
             launch()
         return
     main = torch.cuda.current_stream(v.device)
-    high, low = _side_streams(v.device)
+    high, low = _side_streams(main)
     high.wait_stream(main)
     low.wait_stream(main)
-    for prep, state_pass, norm in stages:
-        prep()
-        high.wait_event(main.record_event())
-        with torch.cuda.stream(high):
-            state_pass()
-        low.wait_event(high.record_event())
-        with torch.cuda.stream(low):
-            norm()
-    main.wait_stream(high)
-    main.wait_stream(low)
+    try:
+        for prep, state_pass, norm in stages:
+            prep()
+            high.wait_event(main.record_event())
+            with torch.cuda.stream(high):
+                state_pass()
+            low.wait_event(high.record_event())
+            with torch.cuda.stream(low):
+                norm()
+    finally:    # joined even when a launch raises, so nothing later on the caller's stream overtakes them
+        main.wait_stream(high)
+        main.wait_stream(low)
