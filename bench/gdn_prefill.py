@@ -85,6 +85,12 @@ def check(name, got, ref, bands) -> tuple[bool, str]:
     return ok, " ; ".join(parts)
 
 
+def _same_bits(out, fin, got) -> bool:
+    """Whether the buffers a timed call wrote hold bitwise the checked call's outputs."""
+    return torch.equal(out, got["out"].to(out.device)) and torch.equal(
+        fin, got["final_state"].to(fin.device))
+
+
 def _rel(got, ref) -> float:
     return float((got.double() - ref).norm() / ref.norm())
 
@@ -187,8 +193,7 @@ def main() -> None:
             out, fin = _buffers(case)
             row[name] = bench(lambda: fn(**i, out=out, final_state=fin))[0] if ok else float("nan")
             if ok:   # the timed replays wrote out and fin: the same bits as the checked launch?
-                same = torch.equal(out, got["out"].to(out.device)) and torch.equal(
-                    fin, got["final_state"].to(fin.device))
+                same = _same_bits(out, fin, got)
                 errs += f"; CUDA-graph replay {'bitwise equal to' if same else 'DIFFERS from'} the checked call"
             row[name + "_err"] = errs
             if ok and name in LAUNCHES:
@@ -200,8 +205,7 @@ def main() -> None:
                     for p in (1, 2, 3):   # each timed, then its last replay's bits against the checked call
                         us = bench(lambda p=p: module.gdn_prefill_chunked(**i, out=out, final_state=fin,
                                                                           _parts=p))[0]
-                        same = torch.equal(out, got["out"].to(out.device)) and torch.equal(
-                            fin, got["final_state"].to(fin.device))
+                        same = _same_bits(out, fin, got)
                         parts.append(f"{p} {us:.1f}" + ("" if same else " (DIFFERS from the checked call)"))
                     row[name + "_launches"] += "; whole call by ranges of chunks: " + ", ".join(parts) + (
                         f" (default {module.default_parts(cell.axes['batch'], -(-T // 64))})")
