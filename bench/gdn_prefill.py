@@ -20,7 +20,8 @@ bf16 q/k/v/z, fp32 state), continuing from a random state as a chunked prefill d
   with the checked call's outputs: a launch that reads a stale host value or a stream it was not
   ordered on shows there.
 - A chunked kernel's launches are also timed one by one, and one pipelined over ranges of chunks
-  (gluon_chunked) is timed whole at 1, 2 and 3 ranges, each compared bitwise with the checked call.
+  (gluon_chunked) is timed whole at one range, two equal ones, three of falling length and its default
+  schedule, each compared bitwise with the checked call.
 - torch_recurrent (a Python loop of ~10 launches a row) is not timed at these lengths.
 - ``--sweep`` also times the Triton kernel's launch configurations (state-column tile, warps, stages).
 """
@@ -200,15 +201,18 @@ def main() -> None:
                 module = importlib.import_module(op.impl_path(op.variant(name)).partition(":")[0])
                 plan = module.launch_plan(**i, out=out, final_state=fin)
                 row[name + "_launches"] = ", ".join(f"{n} {bench(la)[0]:.1f}" for n, la in plan)
-                if hasattr(module, "default_parts"):   # pipelined over ranges of chunks
+                if hasattr(module, "default_schedule"):   # pipelined over ranges of chunks
+                    default = module.default_schedule(cell.axes["batch"], -(-T // 64))
                     parts = []
-                    for p in (1, 2, 3):   # each timed, then its last replay's bits against the checked call
-                        us = bench(lambda p=p: module.gdn_prefill_chunked(**i, out=out, final_state=fin,
-                                                                          _parts=p))[0]
+                    for sched in dict.fromkeys(((1, 1.0), (2, 1.0), (3, module.RATIO), default)):
+                        # each timed, then its last replay's bits against the checked call
+                        us = bench(lambda sched=sched: module.gdn_prefill_chunked(
+                            **i, out=out, final_state=fin, _schedule=sched))[0]
                         same = _same_bits(out, fin, got)
-                        parts.append(f"{p} {us:.1f}" + ("" if same else " (DIFFERS from the checked call)"))
-                    row[name + "_launches"] += "; whole call by ranges of chunks: " + ", ".join(parts) + (
-                        f" (default {module.default_parts(cell.axes['batch'], -(-T // 64))})")
+                        parts.append(f"{sched[0]} x {sched[1]} {us:.1f}"
+                                     + ("" if same else " (DIFFERS from the checked call)"))
+                    row[name + "_launches"] += ("; whole call by ranges of chunks (ranges x length ratio): "
+                                                + ", ".join(parts) + f" (default {default[0]} x {default[1]})")
         if args.sweep and T == 8192:
             for cfg in SWEEP:
                 fn = lambda **kw: triton_chunked.gdn_prefill_chunked(**kw, _config=cfg)  # noqa: E731

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, strategies as st
 
 from impl.kernels.gdn import gluon_chunked as gc
 
@@ -176,11 +177,13 @@ class _Recorder:
         return lambda *args, **kw: self.log.append((self.name, grid, args))
 
 
-def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch) -> None:
+@pytest.mark.parametrize("B, T, bounds", [(2, 4229, [0, 33, 67]), (1, 4101, [0, 33, 53, 65])])
+def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch, B, T, bounds) -> None:
     """gluon_chunked's schedule with its three kernels replaced by recorders (Gluon does not run here).
-    Two sequences of 4229 tokens: 67 chunks, two ranges by the rule, split at chunk 33. The launches
-    come as prologue, state pass, norm per range; the prologues cover chunks 0-66 once; the first state
-    pass starts from ``state`` and the second from ``final_state`` (where the first left it); the
+    Two sequences of 4229 tokens (67 chunks: two equal ranges by the rule, split at chunk 33) and one of
+    4101 (65 chunks: three ranges of falling length, from chunks 33 and 53). The launches come as
+    prologue, state pass, norm per range; the prologues cover every chunk once; the first state pass
+    starts from ``state`` and each later one from ``final_state`` (where the one before left it); the
     norms cover every row of each sequence exactly once and none past T."""
     from impl.kernels.gdn import triton_chunked as tc
 
@@ -189,7 +192,7 @@ def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch)
     monkeypatch.setattr(gc, "_state_pass_wgmma", _Recorder("state_pass", log))
     monkeypatch.setattr(tc, "_prep_kernel", _Recorder("prep", log))
     monkeypatch.setattr(tc, "_gated_norm_kernel", _Recorder("norm", log))
-    B, T, HK, HV, K = 2, 4229, 2, 6, 128
+    HK, HV, K = 2, 6, 128
     bf16 = dict(dtype=torch.bfloat16)
     case = dict(q=torch.zeros(B, T, HK, K, **bf16), k=torch.zeros(B, T, HK, K, **bf16),
                 v=torch.zeros(B, T, HV, K, **bf16), a=torch.zeros(B, T, HV, **bf16),
@@ -198,13 +201,13 @@ def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch)
     final_state = torch.empty_like(case["state"])
     gc.gdn_prefill_chunked(**case, out=torch.empty_like(case["z"]), final_state=final_state)
 
-    assert [name for name, _, _ in log] == ["prep", "state_pass", "norm"] * 2
-    NT = 67
+    ranges = list(zip(bounds, bounds[1:]))
+    assert [name for name, _, _ in log] == ["prep", "state_pass", "norm"] * len(ranges)
     preps = [(args[12], grid[0]) for name, grid, args in log if name == "prep"]
-    assert preps == [(0, 33), (33, 34)]
+    assert preps == [(c0, c1 - c0) for c0, c1 in ranges]
     passes = [(args[11], args[12], args[4]) for name, _, args in log if name == "state_pass"]
-    assert [(c0, c1) for c0, c1, _ in passes] == [(0, 33), (33, NT)]
-    assert passes[0][2] is case["state"] and passes[1][2] is final_state
+    assert [(c0, c1) for c0, c1, _ in passes] == ranges
+    assert passes[0][2] is case["state"] and all(src is final_state for _, _, src in passes[1:])
     covered = torch.zeros(B, T * HV, dtype=torch.int64)
     for name, grid, args in log:
         if name == "norm":
@@ -216,11 +219,28 @@ def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch)
 
 
 def test_ranges_of_chunks_follow_the_measured_rule() -> None:
-    """Two ranges from 64 chunks of work (sequences x chunks) on, else one (the figures are in
-    gluon_chunked's comment); never more ranges than chunks."""
-    assert gc.default_parts(1, 128) == gc.default_parts(1, 64) == gc.default_parts(2, 32) == 2
-    assert gc.default_parts(1, 63) == gc.default_parts(1, 32) == gc.default_parts(3, 3) == 1
-    assert gc.default_parts(128, 1) == 1
+    """Three ranges of falling length for one sequence of 64 chunks or more; else two equal ranges from
+    64 chunks of work (sequences x chunks) with 16 chunks of every sequence a range, else one (the
+    figures are in gluon_chunked's comment)."""
+    three = (3, gc.RATIO)
+    assert gc.default_schedule(1, 64) == gc.default_schedule(1, 128) == gc.default_schedule(1, 2048) == three
+    assert gc.default_schedule(2, 32) == gc.default_schedule(2, 128) == gc.default_schedule(8, 64) == (2, 1.0)
+    for batch, n_chunks in ((1, 63), (1, 32), (3, 3), (32, 2), (128, 1), (4, 15)):
+        assert gc.default_schedule(batch, n_chunks) == (1, 1.0), (batch, n_chunks)
+
+
+@given(n_chunks=st.integers(1, 4096), parts=st.integers(1, 6), ratio=st.floats(0.2, 1.0))
+def test_range_bounds_cut_every_chunk_once_into_nonempty_ranges(n_chunks, parts, ratio) -> None:
+    """Strictly increasing bounds from 0 to n_chunks, min(parts, n_chunks) ranges; with ratio 1 the
+    equal cut n * i // parts; no range longer than the one before it by more than the rounding (one
+    chunk)."""
+    b = gc.range_bounds(n_chunks, parts, ratio)
+    assert b[0] == 0 and b[-1] == n_chunks and len(b) == min(parts, n_chunks) + 1
+    assert all(x < y for x, y in zip(b, b[1:]))
+    if ratio == 1.0:
+        assert b == [n_chunks * i // len(b[1:]) for i in range(len(b))]
+    lengths = [y - x for x, y in zip(b, b[1:])]
+    assert all(later <= earlier + 1 for earlier, later in zip(lengths, lengths[1:]))
 
 
 def _case(K: int = 128, dtype: torch.dtype = torch.bfloat16) -> dict:

@@ -5,11 +5,12 @@ Same chunked form and numerics as ``triton_chunked`` (its docstring has the alge
 kinds of launch: the Triton prologue per (chunk, key head), this sequential state pass per (value head,
 64 state columns), then the Triton gated RMSNorm. What changes:
 
-- The launches are pipelined over ranges of chunks (``default_parts``; two from 64 chunks of work on):
-  the state pass of range i, on a high-priority stream, continues from range i - 1's final state
-  while the prologue of range i + 1 fills the SMs it leaves, and the norm of range i follows on a
-  third stream. Every range computes what one range would, so the result is bitwise the same for any
-  number of ranges (checked on the H200: reports/bench/gdn_prefill.md, section 0000).
+- The launches are pipelined over ranges of chunks (``default_schedule``: three of falling length for
+  one sequence of 64 chunks or more, two equal ones for a batch with 64 chunks of work): the state
+  pass of range i, on a high-priority stream, continues from range i - 1's final state while the
+  prologue of range i + 1 fills the SMs it leaves, and the norm of range i follows on a third stream.
+  Every range computes what one range would, so the result is bitwise the same for any cut into
+  ranges (checked on the H200: reports/bench/gdn_prefill.md, sections 0000 and 00000).
 - The prologue (``_prep_kernel`` with PIECES) also writes, for each (chunk, value head), the three bf16
   pieces of Aib [t, i] and of the decayed scores QKD [t, i] = e^{G_t - G_i} rq_t rk_i q^_t . k^_i
   (i <= t), the operands that depend on the chunk only: the sequential pass neither splits Aib nor forms
@@ -44,6 +45,8 @@ q / k / v, fp32 state; about 176 KB of shared memory a program.
 """
 
 from __future__ import annotations
+
+import math
 
 from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, before triton)
 import torch
@@ -261,25 +264,51 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
     gl.store(final_state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None], ST)
 
 
-# The chunks are cut into ranges: the state pass of range i (sequential over its chunks; 96 programs at
-# the target geometry, one an SM, 252 registers a thread, so nothing else fits beside one) runs on a
-# high-priority stream while the prologue of range i + 1 fills the SMs it leaves, and the gated norm of
-# range i follows on a third stream. Two ranges once a launch has 64 chunks of work (sequences x
-# chunks), else one: on the H200 (reports/bench/gdn_prefill.md, section 0000) two ranges took 1166 us
-# against 1264 us for one at T = 8192 and three or four ranges 1200-1236 us; at 32 chunks and fewer
-# each extra range cost 24-50 us (the exposed first prologue and the extra launches).
-MIN_CHUNKS_A_RANGE = 32
-MAX_PARTS = 2
+# The chunks are cut into ranges: the state pass of range i (sequential over its chunks; 96 programs a
+# sequence at the target geometry, one an SM, 252 registers a thread, so nothing else fits beside one)
+# runs on a high-priority stream while the prologue of range i + 1 fills the SMs it leaves, and the gated
+# norm of range i follows on a third stream. The first range's prologue runs alone, and the next range's
+# prologue, on the SMs the state pass leaves, must end before that state pass does: so the ranges
+# shorten, each RATIO times the one before. Rule (``default_schedule``), from repeated medians on the
+# H200 (reports/bench/gdn_prefill.md, section 00000; three rounds each, spread under 1 %):
+# - one sequence of 64 chunks or more: three ranges, RATIO 0.6 (T = 4096 / 8192 / 16384: 589 / 1114 /
+#   2147 us, against 634 / 1172 / 2255 for two equal ranges and 647 / 1272 / 2530 for one; ratios 0.7
+#   and 0.8, and four ranges, were slower);
+# - otherwise two equal ranges once there are 64 chunks of work (sequences x chunks) and each range
+#   keeps 16 chunks of every sequence, else one. Two sequences of 2048 tokens: two equal ranges 612 us,
+#   one 651, three unequal 644 (their 192 state-pass programs fill the SMs: no prologue runs beside
+#   them, so nothing is gained by shortening). One sequence of 2048: one range 332 us, two 356. 32
+#   sequences of 100 tokens: one range 668 us, two 776.
+RATIO = 0.6
+MIN_CHUNKS_A_RANGE = 16     # of every sequence, for the equal ranges
 PREP_WARPS = 4      # the prologue's warps (8: 462 against 312 us at T = 8192)
 _STREAMS: dict = {}
 
 
-def default_parts(batch: int, n_chunks: int) -> int:
-    """Chunk ranges of a launch of ``batch`` sequences of ``n_chunks`` chunks each."""
-    return max(1, min(MAX_PARTS, batch * n_chunks // MIN_CHUNKS_A_RANGE, n_chunks))
+def default_schedule(batch: int, n_chunks: int) -> tuple[int, float]:
+    """(ranges, ratio of each range's length to the one before) for ``batch`` sequences of
+    ``n_chunks`` chunks each."""
+    if batch == 1 and n_chunks >= 64:
+        return 3, RATIO
+    return max(1, min(2, batch * n_chunks // 32, n_chunks // MIN_CHUNKS_A_RANGE)), 1.0
 
 
-def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, parts: int) -> list:
+def range_bounds(n_chunks: int, parts: int, ratio: float = 1.0) -> list[int]:
+    """Chunk bounds [0, ..., n_chunks] of ``parts`` ranges (at most one a chunk) whose lengths fall
+    geometrically by ``ratio`` from the first (1: equal ranges, the first one the shorter when they
+    cannot be), each at least one chunk long."""
+    parts = max(1, min(parts, n_chunks))
+    weights = [ratio ** i for i in range(parts)]
+    total, acc, bounds = sum(weights), 0.0, [0]
+    for i in range(parts - 1):
+        acc += weights[i]
+        cut = math.floor(n_chunks * acc / total + 1e-9)
+        bounds.append(max(bounds[-1] + 1, min(cut, n_chunks - (parts - 1 - i))))
+    return bounds + [n_chunks]
+
+
+def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, parts: int,
+            ratio: float = 1.0) -> list:
     """The launches of one prefill as [(prologue, state pass, gated norm)], one triple per range of
     chunks (none for T = 0); state pass i continues from state pass i - 1's final_state."""
     B, T, HK, K = q.shape
@@ -305,8 +334,7 @@ def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, p
     q_d = TensorDescriptor.from_tensor(q.view(B * T, HK * K), [64, 128], SH_MMA.value)
     v_d = TensorDescriptor.from_tensor(v.view(B * T, HV * V), [64, 64], SH_MMA.value)
     p_d = TensorDescriptor.from_tensor(pc_buf.view(-1, 64), [64, 64], SH_MMA.value)
-    parts = max(1, min(parts, NT))
-    bounds = [NT * i // parts for i in range(parts + 1)]
+    bounds = range_bounds(NT, parts, ratio)
 
     def prep(c0, c1):
         return lambda: tc._prep_kernel[(c1 - c0, B * HK)](
@@ -355,15 +383,15 @@ def _side_streams(main: torch.cuda.Stream) -> tuple[torch.cuda.Stream, torch.cud
 
 
 def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out, final_state,
-                        _parts: int | None = None) -> None:
+                        _schedule: tuple[int, float] | None = None) -> None:
     """Chunked GDN prefill (sm_90), same contract as triton_chunked.gdn_prefill_chunked, pipelined over
-    ranges of chunks (see MIN_CHUNKS_A_RANGE). The streams fork from and join the caller's current
-    stream through events, so the call is ordered like a single launch and can be captured in a CUDA
-    graph. Every range computes the same values as one range does: the result is bitwise the same for
-    any number of ranges."""
+    ranges of chunks (``default_schedule``; ``_schedule`` = (ranges, ratio) overrides it). The streams
+    fork from and join the caller's current stream through events, so the call is ordered like a single
+    launch and can be captured in a CUDA graph. Every range computes the same values as one range does:
+    the result is bitwise the same for any cut into ranges."""
     B, T = q.shape[:2]
-    parts = default_parts(B, triton.cdiv(T, CHUNK)) if _parts is None else _parts
-    stages = _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, parts)
+    parts, ratio = default_schedule(B, triton.cdiv(T, CHUNK)) if _schedule is None else _schedule
+    stages = _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, parts, ratio)
     if not stages:
         final_state.copy_(state)
         return
