@@ -211,8 +211,9 @@ def main() -> None:
                         same = _same_bits(out, fin, got)
                         parts.append(f"{sched[0]} x {sched[1]} {us:.1f}"
                                      + ("" if same else " (DIFFERS from the checked call)"))
-                    row[name + "_launches"] += ("; whole call by ranges of chunks (ranges x length ratio): "
-                                                + ", ".join(parts) + f" (default {default[0]} x {default[1]})")
+                    row[name + "_launches"] += (
+                        "; whole call by ranges of chunks (ranges x length ratio): " + ", ".join(parts)
+                        + f" (default {default[0]} x {default[1]})")
         if args.sweep and T == 8192:
             for cfg in SWEEP:
                 fn = lambda **kw: triton_chunked.gdn_prefill_chunked(**kw, _config=cfg)  # noqa: E731

@@ -65,6 +65,29 @@ def test_the_kept_piece_products_are_fp32_accurate(seed: int) -> None:
     assert rel(gc.PIECE_PAIRS[3:]) > 16 * 2.0 ** -24
 
 
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_the_outputs_products_keep_2_16(seed: int) -> None:
+    """The output's own products (they reach o, never the state): U^T QKD^T from the last three piece
+    pairs, qS^T from two pieces of S^T against the exact bf16 q, each within 2^-16 relative (Frobenius)
+    of the float64 product; out's bf16 rounding is 2^-8. Measured 2^-17.9 .. 2^-17.7 and 2^-18.7 ..
+    2^-18.6 on these inputs; the leading pair or piece alone (about 2^-9) fails."""
+    g = torch.Generator().manual_seed(seed)
+    u = torch.randn(64, 64, generator=g) * torch.rand(64, 1, generator=g) * 4
+    qkd = torch.randn(64, 64, generator=g) * torch.exp(-8 * torch.rand(64, 64, generator=g))
+    us, qs = _split3(u), _split3(qkd)
+    ref = u.double() @ qkd.double()
+    kept = sum(us[i].double() @ qs[j].double() for i, j in gc.PIECE_PAIRS[3:])
+    lead = us[0].double() @ qs[0].double()
+    assert float((kept - ref).norm() / ref.norm()) <= 2.0 ** -16
+    assert float((lead - ref).norm() / ref.norm()) > 2.0 ** -16
+    st = torch.randn(64, 128, generator=g) * torch.rand(64, 1, generator=g)
+    q = torch.randn(128, 64, generator=g).to(torch.bfloat16).double()
+    sp = _split3(st)
+    ref = st.double() @ q
+    assert float(((sp[0].double() + sp[1].double()) @ q - ref).norm() / ref.norm()) <= 2.0 ** -16
+    assert float((sp[0].double() @ q - ref).norm() / ref.norm()) > 2.0 ** -16
+
+
 @pytest.mark.skipif(not triton_support.INTERPRETING, reason="runs the prologue in Triton's interpreter")
 def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
     """One launch of the prologue as triton_chunked runs it (Aib in fp32) and one with PIECES, on 70 rows
