@@ -1,9 +1,10 @@
 """The Gluon state pass of the chunked GDN prefill (impl/kernels/gdn/gluon_chunked.py) without a GPU.
 
 Its numerics are certified on sm_90 only (Gluon has no interpreter: reports/receipts/sm_90.jsonl, cells
-short_t37, long_t8192, b3_t130, b1_t20 and b2_t2048 of certify/cells/gdn_prefill.yaml). What the CPU
-can check: that the piece products the kernel keeps for a product of two fp32 operands are fp32-accurate (a missing pair
-would cost about 2^-17 relative, which only the GPU receipt would otherwise notice), that the kernel
+short_t37, long_t8192, b3_t130, b1_t20, b2_t2048 and b1_t4101 of certify/cells/gdn_prefill.yaml). What
+the CPU can check: that the piece products the kernel keeps for the state's products of two fp32
+operands are fp32-accurate (a missing pair would cost about 2^-17 relative, which only the GPU receipt
+would otherwise notice) and those of the output's within 2^-16, that the kernel
 compiles for sm_90 on every cell that names it, that the prologue's PIECES mode (shared with
 triton_chunked, run here through Triton's interpreter) writes the planes the state pass reads, and that
 the wrapper refuses what it cannot run."""
@@ -80,10 +81,10 @@ def test_the_outputs_products_keep_2_16(seed: int) -> None:
     lead = us[0].double() @ qs[0].double()
     assert float((kept - ref).norm() / ref.norm()) <= 2.0 ** -16
     assert float((lead - ref).norm() / ref.norm()) > 2.0 ** -16
-    st = torch.randn(64, 128, generator=g) * torch.rand(64, 1, generator=g)
+    state_t = torch.randn(64, 128, generator=g) * torch.rand(64, 1, generator=g)
     q = torch.randn(128, 64, generator=g).to(torch.bfloat16).double()
-    sp = _split3(st)
-    ref = st.double() @ q
+    sp = _split3(state_t)
+    ref = state_t.double() @ q
     assert float(((sp[0].double() + sp[1].double()) @ q - ref).norm() / ref.norm()) <= 2.0 ** -16
     assert float((sp[0].double() @ q - ref).norm() / ref.norm()) > 2.0 ** -16
 
@@ -248,8 +249,13 @@ def test_ranges_of_chunks_follow_the_measured_rule() -> None:
     three = (3, gc.RATIO)
     assert gc.default_schedule(1, 64) == gc.default_schedule(1, 128) == gc.default_schedule(1, 2048) == three
     assert gc.default_schedule(2, 32) == gc.default_schedule(2, 128) == gc.default_schedule(8, 64) == (2, 1.0)
-    for batch, n_chunks in ((1, 63), (1, 32), (3, 3), (32, 2), (128, 1), (4, 15)):
+    assert gc.default_schedule(4, 32) == (2, 1.0)
+    for batch, n_chunks in ((1, 63), (1, 32), (3, 3), (32, 2), (128, 1), (4, 15), (4, 31), (3, 31)):
         assert gc.default_schedule(batch, n_chunks) == (1, 1.0), (batch, n_chunks)
+    for n_chunks in range(1, 300):     # ratio 1: the equal cut, exactly
+        for parts in range(1, 6):
+            p = min(parts, n_chunks)
+            assert gc.range_bounds(n_chunks, parts) == [n_chunks * i // p for i in range(p + 1)]
 
 
 @given(n_chunks=st.integers(1, 4096), parts=st.integers(1, 6), ratio=st.floats(0.2, 1.0))
@@ -298,7 +304,7 @@ def test_refuses_the_interpreter_with_a_reason() -> None:
 
 
 def test_compiles_for_sm90_on_every_cell_that_names_it(tmp_path) -> None:
-    """The state pass (TMA ring, warp-group MMAs on shared-memory operands, 8 warps, about 176 KB of
+    """The state pass (TMA ring, warp-group MMAs on shared-memory operands, 8 warps, about 168 KB of
     shared memory) and the prologue's PIECES mode compile for sm_90 and fit the H200's limits, at each
     cell's specialisation. With the triton installed here (CI's 3.9); the H200 runs 3.6, whose Gluon
     names differ (the module picks them at import): check that one by hand with
@@ -306,6 +312,7 @@ def test_compiles_for_sm90_on_every_cell_that_names_it(tmp_path) -> None:
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path))
     out = subprocess.run([sys.executable, "tools/sm90_compile_check.py", "--op", "gdn_prefill"],
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    for cell in ("short_t37", "long_t8192", "b3_t130", "b1_t20", "b2_t2048"):
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    for cell in ("short_t37", "long_t8192", "b3_t130", "b1_t20", "b2_t2048", "b1_t4101"):
         assert re.search(rf"^OK\s+gdn_prefill::gluon_chunked::{cell}", out.stdout, re.M), \
             out.stdout + out.stderr[-3000:]

@@ -6,8 +6,8 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
 64 state columns), then the Triton gated RMSNorm. What changes:
 
 - The launches are pipelined over ranges of chunks (``default_schedule``: three of falling length for
-  one sequence of 64 chunks or more, two equal ones for a batch with 64 chunks of work): the state
-  pass of range i, on a high-priority stream, continues from range i - 1's final state while the
+  one sequence of 64 chunks or more, two equal ones for a batch with 64 chunks of work and 32 chunks
+  of every sequence, else one): the state pass of range i, on a high-priority stream, continues from range i - 1's final state while the
   prologue of range i + 1 fills the SMs it leaves, and the norm of range i follows on a third stream.
   Every range computes what one range would, so the result is bitwise the same for any cut into
   ranges (checked on the H200: reports/bench/gdn_prefill.md, sections 0000 and 00000).
@@ -38,8 +38,9 @@ exact bf16 operands; an fp32 operand is split into three bf16 pieces (x = x1 + x
 nearest bf16 of what the previous left: about 2^-24 relative together); a product of two fp32
 operands (the right-hand side and Aib) splits both and keeps the six piece products down to 2^-16
 relative (1*1, 1*2, 2*1, 1*3, 2*2, 3*1), about 2^-24 like tf32x3. The output's own products, which
-reach only o (qS^T and U^T QKD^T), keep what is needed to 2^-16 relative: two pieces of S^T against
-q, and the three piece products 1*1, 1*2, 2*1 of U^T and QKD. o is rounded to bf16 after the gated
+reach only o (qS^T and U^T QKD^T), keep what holds each of o's two terms within 2^-16 relative of
+itself (their sum can cancel, so not every element of o): two pieces of S^T against q, and the three
+piece products 1*1, 1*2, 2*1 of U^T and QKD. o is rounded to bf16 after the gated
 norm (unit roundoff 2^-8 relative), so 2^-16 is about 2^-8 of that rounding: on the H200 the final
 state stayed bitwise the same, 0.26 % of out's elements changed by one rounding, and every cell's out
 error stayed where it was (reports/bench/gdn_prefill.md, section 00000, item 3); the state pass took
