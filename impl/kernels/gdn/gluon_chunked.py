@@ -7,12 +7,13 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
 
 - The launches are pipelined over ranges of chunks (``default_schedule``: three of falling length for
   one sequence of 64 chunks or more, two equal ones for a batch with 64 chunks of work and 32 chunks
-  of every sequence, else one): the state pass of range i, on a high-priority stream, continues from range i - 1's final state while the
-  prologue of range i + 1 fills the SMs it leaves, and the norm of range i follows on a third stream.
+  of every sequence, else one): the state pass of range i, on a high-priority stream, continues from
+  range i - 1's final state while the prologue of range i + 1 fills the SMs it leaves, and the norm of
+  range i follows on a third stream.
   Every range computes what one range would, so the result is bitwise the same for any cut into
   ranges (checked on the H200: reports/bench/gdn_prefill.md, sections 0000 and 00000).
 - The prologue (``_prep_kernel`` with PIECES) also writes, for each (chunk, value head), the three bf16
-  pieces of Aib [t, i] and of the decayed scores QKD [t, i] = e^{G_t - G_i} rq_t rk_i q^_t . k^_i
+  pieces of Aib [t, i] and the two of the decayed scores QKD [t, i] = e^{G_t - G_i} rq_t rk_i q^_t . k^_i
   (i <= t), the operands that depend on the chunk only: the sequential pass neither splits Aib nor forms
   QKD, and each arrives by TMA into its own buffer, refilled for the next chunk once consumed.
 - The state pass runs transposed: the state tile is held as S^T [64 columns, 128 keys], the accumulator
@@ -21,13 +22,21 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
       KS^T = S^T K^T        U^T = (V^T - KS^T diag(e^G rk)) Aib^T        S^T <- e^{G_C} S^T + U^T diag(d) K
       qS^T = S^T Q^T        o^T = U^T QKD^T + qS^T diag(e^G rq)
 
-  Its left operands (the bf16 pieces of S^T, then of the right-hand side, of the scaled deltas and of
-  U^T) are written once to shared memory; the right operands are tiles there: k, q, v by TMA in a
-  2-stage ring, one chunk ahead (an mbarrier a stage), and the prologue's pieces.
+  Its left operands (the bf16 pieces of S^T, of the right-hand side, then of the scaled deltas in the
+  right-hand side's buffer, and of U^T) are written once to shared memory; the right operands are
+  tiles there: k, q, v by TMA in a 2-stage ring, one chunk ahead (an mbarrier a stage), and the
+  prologue's pieces.
 - 8 warps: the two warp groups split each product's columns (warps [4, 2]), so both issue wgmma and
-  each thread holds half of every tile (230 registers, no spills when T is a multiple of 16, 15
+  each thread holds half of every tile (241 registers, no spills when T is a multiple of 16, 10-11
   spilled values otherwise, triton 3.6; one warp group spilled at 255 registers).
-- The row factors and v are read while KS^T and qS^T are in flight.
+- Only the state's chain (KS^T, U^T, the update) waits for its products at once. The row factors
+  and v are read while KS^T is in flight; qS^T, which reaches only o, is issued after U^T's products
+  and finishes while the deltas and U^T are split; the next chunk's S^T pieces are split and stored
+  while o's products finish. Bitwise the same results as waiting for KS^T and qS^T, then for the
+  update and o, together; the state pass went 750.6 -> 719.4 us at T = 8192 with qS^T after U^T, then
+  854.5 -> 801.9 us at T = 8100 and 440.8 -> 413.8 at T = 4101 (where the kernel spills) with the
+  next chunk's pieces stored while o's products finish, 719 either way at T = 8192 (same-run
+  comparisons: reports/bench/gdn_prefill.md, section 000000).
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
   chunk reads the next sequence's rows (zeros past the tensor). They are set to zero in shared memory
   before use, as triton_chunked's masked loads would read them (Aib's rows and columns past T are zeros
@@ -50,7 +59,7 @@ the two agree to rounding, not bitwise.
 
 Gluon has no interpreter: this variant runs on sm_90 only, and the CPU certifies triton_chunked.
 Fixed geometry (the target's): d_k = d_v = 128, chunk 64, 64 state columns a program, 8 warps, bf16
-q / k / v, fp32 state; about 168 KB of shared memory a program.
+q / k / v, fp32 state; 208 KB of shared memory a program.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 CHUNK = 64
 HEAD = 128          # d_k = d_v
 COLS = 64           # state columns a program: the wgmma's M
+PIECE_PLANES = gl.constexpr(tc.PIECE_PLANES.value)    # the prologue's planes a (chunk, value head)
 WARPS = 8
 
 # accumulators: [COLS, CHUNK] (KS^T, qS^T, U^T, o^T) and [COLS, HEAD] (S^T)
@@ -125,6 +135,15 @@ def _piece_products(x_s, col0: gl.constexpr, y_s, y_transposed: gl.constexpr, ac
 
 
 @gluon.jit
+def _store_pieces3(dst, x):
+    """The three bf16 pieces of fp32 x into dst [3, ...] in shared memory (no fence, no barrier)."""
+    x1, x2, x3 = _split3(x)
+    dst.index(0).store(x1)
+    dst.index(1).store(x2)
+    dst.index(2).store(x3)
+
+
+@gluon.jit
 def _zero_rows_from(tile, n, layout: gl.constexpr):
     """Rows n.. of a bf16 tile in shared memory set to zero (read and written back in ``layout``)."""
     x = tile.load(layout)
@@ -149,7 +168,8 @@ def _issue_pieces(p_d, dst, bar, c, bh, NT, which: gl.constexpr, n: gl.constexpr
     written by the prologue, into dst [n, 64, 64]."""
     mbarrier.expect(bar, n * 64 * 64 * 2)
     for p in gl.static_range(n):
-        _tma_load(p_d, [(bh * NT + c) * 384 + (which * 3 + p) * 64, 0], bar, dst.index(p))
+        row = (bh * NT + c) * (PIECE_PLANES * 64) + (which * 3 + p) * 64
+        _tma_load(p_d, [row, 0], bar, dst.index(p))
 
 
 @gluon.jit
@@ -169,8 +189,8 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
     ap_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # Aib's pieces [t, i]
     qk_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)    # QKD's first two pieces [t, i]
     sp_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 128], SH_MMA)   # S^T's pieces
-    # once S^T's pieces are read, their buffer holds [64, 64] pieces: columns 0-63 the right-hand
-    # side's, then the scaled deltas'; columns 64-127 U^T's
+    rp_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # right-hand side's, then deltas'
+    up_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)    # U^T's two pieces
     bars = gl.allocate_shared_memory(gl.int64, [4, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(4):   # the two ring stages, Aib's pieces, QKD's pieces
         mbarrier.init(bars.index(i), count=1)
@@ -185,6 +205,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
     _issue_pieces(p_d, ap_s, bars.index(2), c0, bh, NT, 0, 3)
     _issue_pieces(p_d, qk_s, bars.index(3), c0, bh, NT, 1, 2)
 
+    _store_pieces3(sp_s, ST)
     tt = gl.arange(0, 64, layout=ALONG_T)
     ii = gl.arange(0, 64, layout=ALONG_R)
     for c in range(c0, c1):
@@ -207,39 +228,33 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
             fence_async_shared()
             _cta_barrier()
 
-        # S^T's pieces [64, 128] into shared memory: the A operand of KS^T and qS^T
-        s1, s2, s3 = _split3(ST)
-        sp_s.index(0).store(s1)
-        sp_s.index(1).store(s2)
-        sp_s.index(2).store(s3)
-        fence_async_shared()
+        fence_async_shared()    # S^T's pieces, stored before the loop or by the chunk before
         _cta_barrier()
-        # KS^T and qS^T: S^T's pieces against the exact k, q tiles (the output's qS^T from two pieces:
-        # 2^-16 relative, see the module's docstring)
+        # KS^T: S^T's three pieces against the exact k tile
         zc = gl.zeros([64, 64], gl.float32, ACC_C)
         ks = warpgroup_mma(sp_s.index(2), k_c.permute((1, 0)), zc, is_async=True)
         ks = warpgroup_mma(sp_s.index(1), k_c.permute((1, 0)), ks, is_async=True)
         ks = warpgroup_mma(sp_s.index(0), k_c.permute((1, 0)), ks, is_async=True)
-        qs = warpgroup_mma(sp_s.index(1), q_c.permute((1, 0)), zc, is_async=True)
-        qs = warpgroup_mma(sp_s.index(0), q_c.permute((1, 0)), qs, is_async=True)
         # meanwhile: the row factors and v
         G = gl.load(gbuf + gb + tt)
         rk = gl.load(rbuf + 2 * gb + tt)
         vT = v_s.index(s).permute((1, 0)).load(ACC_C).to(gl.float32)
-        ks, qs = warpgroup_mma_wait(0, deps=(ks, qs))
-        _cta_barrier()      # S^T's pieces are read: their buffer now holds [64, 64] pieces
+        ks = warpgroup_mma_wait(0, deps=(ks,))
 
         # U^T = (V^T - KS^T diag(e^G rk)) Aib^T, six piece products
         r1, r2, r3 = _split3(vT - ks * (gl.exp(G) * rk)[None, :])
-        sp_s.index(0).slice(0, 64, dim=1).store(r1)
-        sp_s.index(1).slice(0, 64, dim=1).store(r2)
-        sp_s.index(2).slice(0, 64, dim=1).store(r3)
+        rp_s.index(0).store(r1)
+        rp_s.index(1).store(r2)
+        rp_s.index(2).store(r3)
         fence_async_shared()
         _cta_barrier()
         mbarrier.wait(bars.index(2), j & 1)
-        u = _piece_products(sp_s, 0, ap_s, True, zc, 6)
+        u = _piece_products(rp_s, 0, ap_s, True, zc, 6)
+        # qS^T, for the output only: two pieces of S^T (2^-16 relative, see the module's docstring)
+        qs = warpgroup_mma(sp_s.index(1), q_c.permute((1, 0)), zc, is_async=True)
+        qs = warpgroup_mma(sp_s.index(0), q_c.permute((1, 0)), qs, is_async=True)
         rq = gl.load(rbuf + 2 * gb + 64 + tt)
-        u = warpgroup_mma_wait(0, deps=(u,))
+        u = warpgroup_mma_wait(2, deps=(u,))
         _cta_barrier()      # the right-hand side's and Aib's pieces are read: refill Aib's
         if c + 1 < c1:
             _issue_pieces(p_d, ap_s, bars.index(2), c + 1, bh, NT, 0, 3)
@@ -247,20 +262,24 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         # S^T <- e^{G_C} S^T + (U^T diag(rk e^{G_C - G})) K (the state is the accumulator), and
         # o^T = U^T QKD^T + qS^T diag(e^G rq)
         d1, d2, d3 = _split3(u * (rk * gl.exp(G_C - G))[None, :])
-        sp_s.index(0).slice(0, 64, dim=1).store(d1)
-        sp_s.index(1).slice(0, 64, dim=1).store(d2)
-        sp_s.index(2).slice(0, 64, dim=1).store(d3)
+        rp_s.index(0).store(d1)
+        rp_s.index(1).store(d2)
+        rp_s.index(2).store(d3)
         u1, u2, _ = _split3(u)     # the output's U^T: two pieces (2^-16 relative)
-        sp_s.index(0).slice(64, 64, dim=1).store(u1)
-        sp_s.index(1).slice(64, 64, dim=1).store(u2)
+        up_s.index(0).store(u1)
+        up_s.index(1).store(u2)
+        qs = warpgroup_mma_wait(0, deps=(qs,))
         fence_async_shared()
-        _cta_barrier()
-        ST = warpgroup_mma(sp_s.index(2).slice(0, 64, dim=1), k_c, ST * gl.exp(G_C), is_async=True)
-        ST = warpgroup_mma(sp_s.index(1).slice(0, 64, dim=1), k_c, ST, is_async=True)
-        ST = warpgroup_mma(sp_s.index(0).slice(0, 64, dim=1), k_c, ST, is_async=True)
+        _cta_barrier()      # also: every warp group's qS^T is done, so S^T's pieces can be overwritten
+        ST = warpgroup_mma(rp_s.index(2), k_c, ST * gl.exp(G_C), is_async=True)
+        ST = warpgroup_mma(rp_s.index(1), k_c, ST, is_async=True)
+        ST = warpgroup_mma(rp_s.index(0), k_c, ST, is_async=True)
         mbarrier.wait(bars.index(3), j & 1)
-        o = _piece_products(sp_s, 64, qk_s, True, qs * (gl.exp(G) * rq)[None, :], 3)
-        ST, o = warpgroup_mma_wait(0, deps=(ST, o))
+        o = _piece_products(up_s, 0, qk_s, True, qs * (gl.exp(G) * rq)[None, :], 3)
+        ST = warpgroup_mma_wait(3, deps=(ST,))
+        if c + 1 < c1:      # the next chunk's S^T pieces while o's products finish
+            _store_pieces3(sp_s, ST)
+        o = warpgroup_mma_wait(0, deps=(o,))
 
         o_base = ((i_b * T + c * 64).to(gl.int64) * HV + i_h) * 128 + v0
         gl.store(o_buf + o_base + (tt[None, :] * (HV * 128) + ii[:, None]), o,
@@ -274,7 +293,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
 
 
 # The chunks are cut into ranges: the state pass of range i (sequential over its chunks; 96 programs a
-# sequence at the target geometry, one an SM, 230 registers a thread, so nothing else fits beside one)
+# sequence at the target geometry, one an SM, 241 registers a thread, so nothing else fits beside one)
 # runs on a high-priority stream while the prologue of range i + 1 fills the SMs it leaves, and the gated
 # norm of range i follows on a third stream. The first range's prologue runs alone, and the next range's
 # prologue, on the SMs the state pass leaves, must end before that state pass does: so the ranges
@@ -337,7 +356,7 @@ def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, p
     gbuf = torch.empty(B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
     rbuf = torch.empty(2 * B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
     ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)   # prologue scratch
-    pc_buf = torch.empty(B * HV * NT * 6 * CHUNK * CHUNK, dtype=torch.bfloat16, device=dev)
+    pc_buf = torch.empty(B * HV * NT * PIECE_PLANES.value * CHUNK * CHUNK, dtype=torch.bfloat16, device=dev)
     o_buf = torch.empty(B * T * HV * V, dtype=torch.float32, device=dev)
     k_d = TensorDescriptor.from_tensor(k.view(B * T, HK * K), [64, 128], SH_MMA.value)
     q_d = TensorDescriptor.from_tensor(q.view(B * T, HK * K), [64, 128], SH_MMA.value)

@@ -13,8 +13,9 @@ Three launches:
    and ``Aib = (I + A)^{-1} diag(beta)`` (the four 16 x 16 diagonal blocks D_i by the product form of
    their Neumann series, the blocks below them by block forward substitution, one sub-diagonal at a
    time; batched 16 x 16 tf32x3 dots throughout). With PIECES (gluon_chunked's launch) it also writes
-   the bf16 pieces of Aib and of the decayed q.k scores for its state pass. One program a value head,
-   with its own k.k and q.k, took 380 us at long_t8192 on the H200 with PIECES, against 312 us.
+   the bf16 pieces of Aib (three) and of the decayed q.k scores (two) for its state pass. One program
+   a value head, with its own k.k and q.k, took 380 us at long_t8192 on the H200 with PIECES, against
+   312 us.
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
@@ -50,6 +51,9 @@ from impl.kernels.triton_support import INTERPRETING, round_to_bf16, softplus
 CHUNK = 64
 L2_EPS = 1e-6
 NORM_EPS = 1e-6
+# PIECES: the [64, 64] bf16 planes a (chunk, value head) of the prologue's pieces, [t, i]: Aib's three
+# (planes 0-2), then QKD's two (3-4); gluon_chunked's state pass reads them by these offsets
+PIECE_PLANES = tl.constexpr(5)
 
 
 @triton.jit
@@ -146,19 +150,17 @@ def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq,
     decay = tl.exp(tl.where(strict, G[:, None] - G[None, :], float("-inf")))
     A = tl.where(strict, beta[:, None] * decay * KK, 0.0)
     tl.store(ai_buf + sq, A)
-    pc = (bh * NT + c).to(tl.int64) * (6 * 4096) + rc[:, None] * 64 + rc[None, :]
+    pc = (bh * NT + c).to(tl.int64) * (PIECE_PLANES * 4096) + rc[:, None] * 64 + rc[None, :]
     if PIECES:
         # for gluon_chunked's state pass: the bf16 pieces of the decayed scores QKD [t, i] =
-        # e^{G_t - G_i} rq_t rk_i q^_t . k^_i (i <= t), planes 3-5 of six [64, 64] a (chunk, value head),
-        # formed here (beside A, sharing its decays) rather than once a chunk on the sequential path
+        # e^{G_t - G_i} rq_t rk_i q^_t . k^_i (i <= t), planes 3-4 of five [64, 64] a (chunk, value head),
+        # formed here (beside A, sharing its decays) rather than once a chunk on the sequential path. Two
+        # pieces (at most 2^-18 relative): the state pass's output products read only those (its docstring)
         diag = rc[:, None] == rc[None, :]
         qkd = (decay + tl.where(diag, 1.0, 0.0)) * QK
         p1 = round_to_bf16(qkd)
-        r = qkd - p1
-        p2 = round_to_bf16(r)
         tl.store(pc_buf + pc + 3 * 4096, p1.to(tl.bfloat16))
-        tl.store(pc_buf + pc + 4 * 4096, p2.to(tl.bfloat16))
-        tl.store(pc_buf + pc + 5 * 4096, round_to_bf16(r - p2).to(tl.bfloat16))
+        tl.store(pc_buf + pc + 4 * 4096, round_to_bf16(qkd - p1).to(tl.bfloat16))
     tl.debug_barrier()
     # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once
     i4 = tl.arange(0, 4)
