@@ -95,11 +95,12 @@ def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
     (a full chunk and a partial one); the state pass reads both sets of planes as [t, i] (transposed
     views). Planes 0-2 must sum to the same Aib to 2^-23 relative, element by element (the split's
     remainder). Planes 3-4 must sum to QKD [t, i] = e^{G_t - G_i} rq_t rk_i q_t . k_i (i <= t), in
-    float64 from the prologue's own G, rk, rq, within 2^-17 relative (Frobenius, a (chunk, head)
-    block): two pieces, each the nearest bf16, leave at most 2^-9 of 2^-9 of each element (2^-18), and
-    the prologue's fp32 arithmetic adds about 2^-23 (1.6 x 2^-24 measured with three pieces); measured
-    2^-19.2 .. 2^-18.4, and the leading plane alone, 2^-10.0 .. 2^-9.1, fails it. Above the diagonal
-    and on rows past T every plane must be exactly zero."""
+    float64 from the prologue's own G, rk, rq, within 2^-17 + 2^-21 relative (Frobenius, a (chunk,
+    head) block): two pieces, each the nearest bf16, leave at most half an ulp of the first remainder,
+    2^-17 of the element (2^-17.003 at worst over every fp32 in [1, 2)), and the prologue's fp32
+    arithmetic was measured at 1.6 x 2^-24 with three pieces (allowed 8 x 2^-24, as before). Measured
+    2^-19.2 .. 2^-18.4; the leading plane alone, 2^-10.0 .. 2^-9.1, fails it. Above the diagonal and on
+    rows past T every plane must be exactly zero."""
     from impl.kernels.gdn import triton_chunked as tc
 
     c = _case()
@@ -116,8 +117,9 @@ def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
     tc._prep_kernel[(NT, B * HK)](*args, ai_scratch, pc, T, NT, 0, K ** -0.5, tc.L2_EPS, PIECES=True,
                                   **common)
     planes = pc.double().view(B * HV, NT, tc.PIECE_PLANES.value, 64, 64)
+    n_aib = tc.AIB_PLANES.value      # Aib's planes, then QKD's
     aib = ai_plain.double().view(B * HV, NT, 64, 64)
-    torch.testing.assert_close(planes[:, :, 0:3].sum(2), aib, rtol=2.0 ** -23, atol=0.0)
+    torch.testing.assert_close(planes[:, :, :n_aib].sum(2), aib, rtol=2.0 ** -23, atol=0.0)
     G = gbuf.double().view(B * HV, NT, 64)
     rk, rq = rbuf.double().view(B * HV, NT, 2, 64).unbind(2)
     q = torch.nn.functional.pad(c["q"].double(), (0, 0, 0, 0, 0, NT * 64 - T))   # rows past T: zeros
@@ -131,10 +133,11 @@ def test_prologue_pieces_are_the_planes_the_state_pass_reads() -> None:
             g = G[bh, ch]
             want = torch.where(causal, (g[:, None] - g[None, :]).exp(), 0.0) \
                 * rq[bh, ch][:, None] * rk[bh, ch][None, :] * qk
-            got = planes[bh, ch, 3:5].sum(0)
-            assert float((got - want).norm() / want.norm()) <= 2.0 ** -17
-            assert float((planes[bh, ch, 3] - want).norm() / want.norm()) > 2.0 ** -17
-            assert (planes[bh, ch, 3:5][:, ~causal] == 0).all()
+            got = planes[bh, ch, n_aib:].sum(0)
+            band = 2.0 ** -17 + 8 * 2.0 ** -24
+            assert float((got - want).norm() / want.norm()) <= band
+            assert float((planes[bh, ch, n_aib] - want).norm() / want.norm()) > band
+            assert (planes[bh, ch, n_aib:][:, ~causal] == 0).all()
     past_t = T - 64     # rows of the partial second chunk past the end
     assert (planes[:, 1, :, past_t:, :] == 0).all()
 

@@ -29,14 +29,14 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
 - 8 warps: the two warp groups split each product's columns (warps [4, 2]), so both issue wgmma and
   each thread holds half of every tile (241 registers, no spills when T is a multiple of 16, 10-11
   spilled values otherwise, triton 3.6; one warp group spilled at 255 registers).
-- Only the state's chain (KS^T, U^T, the update) waits for its products at once. The row factors
-  and v are read while KS^T is in flight; qS^T, which reaches only o, is issued after U^T's products
-  and finishes while the deltas and U^T are split; the next chunk's S^T pieces are split and stored
-  while o's products finish. Bitwise the same results as waiting for KS^T and qS^T, then for the
-  update and o, together; the state pass went 750.6 -> 719.4 us at T = 8192 with qS^T after U^T, then
-  854.5 -> 801.9 us at T = 8100 and 440.8 -> 413.8 at T = 4101 (where the kernel spills) with the
-  next chunk's pieces stored while o's products finish, 719 either way at T = 8192 (same-run
-  comparisons: reports/bench/gdn_prefill.md, section 000000).
+- The waits follow the state's chain (KS^T, U^T, the update); the products that reach only o stay
+  in flight past them. The row factors and v are read while KS^T is in flight; qS^T is issued after
+  U^T's products and finishes while the deltas and U^T are split; the next chunk's S^T pieces are
+  split and stored while o's products finish. Bitwise the same results as waiting for KS^T and qS^T,
+  then for the update and o, together; the state pass went 749.1 -> 721.5 us at T = 8192 with qS^T
+  after U^T, then, with the next chunk's pieces stored while o's products finish, 854.5 -> 801.9 us at
+  T = 8100 and 440.8 -> 413.8 at T = 4101 (where the kernel spills) and 722.0 -> 719.1 at T = 8192
+  (same-run comparisons: reports/bench/gdn_prefill.md, section 000000).
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
   chunk reads the next sequence's rows (zeros past the tensor). They are set to zero in shared memory
   before use, as triton_chunked's masked loads would read them (Aib's rows and columns past T are zeros
@@ -86,7 +86,13 @@ _cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 CHUNK = 64
 HEAD = 128          # d_k = d_v
 COLS = 64           # state columns a program: the wgmma's M
-PIECE_PLANES = gl.constexpr(tc.PIECE_PLANES.value)    # the prologue's planes a (chunk, value head)
+PIECE_PLANES = gl.constexpr(tc.PIECE_PLANES.value)    # the prologue's planes a (chunk, value head):
+AIB_PLANES = gl.constexpr(tc.AIB_PLANES.value)        # Aib's pieces first,
+QKD_PLANES = gl.constexpr(tc.QKD_PLANES.value)        # then QKD's
+# the products that reach only o, as wgmma groups: qS^T (pieces of S^T against q) and U^T QKD^T (piece
+# products); the waits on the state's chain leave exactly these in flight, so the counts are tied here
+QS_PIECES = gl.constexpr(2)
+O_PRODUCTS = gl.constexpr(3)
 WARPS = 8
 
 # accumulators: [COLS, CHUNK] (KS^T, qS^T, U^T, o^T) and [COLS, HEAD] (S^T)
@@ -119,18 +125,13 @@ def _split3(x):
 
 
 @gluon.jit
-def _piece_products(x_s, col0: gl.constexpr, y_s, y_transposed: gl.constexpr, acc, n: gl.constexpr):
-    """acc + X Y for two fp32 operands held as bf16 pieces: X's [64, 64] pieces are columns col0 ..
-    col0 + 63 of x_s's [64, 128] buffers, Y's are y_s's [64, 64] (read transposed when
-    ``y_transposed``). The last n of PIECE_PAIRS, smallest first, asynchronous: n = 6 keeps every
-    product down to 2^-16 relative (fp32-accurate), n = 3 those down to 2^-8 (2^-16 relative)."""
+def _piece_products(x_s, y_s, acc, n: gl.constexpr):
+    """acc + X Y^T for two fp32 operands held as bf16 pieces, x_s's and y_s's [64, 64] tiles: the last
+    n of PIECE_PAIRS, smallest first, each an asynchronous wgmma group: n = 6 keeps every product down
+    to 2^-16 relative (fp32-accurate), n = 3 those down to 2^-8 (2^-16 relative)."""
     for k in gl.static_range(6 - n, 6):
-        x = x_s.index(_X_PIECE[k]).slice(col0, 64, dim=1)
-        y = y_s.index(_Y_PIECE[k])
-        if y_transposed:
-            acc = warpgroup_mma(x, y.permute((1, 0)), acc, is_async=True)
-        else:
-            acc = warpgroup_mma(x, y, acc, is_async=True)
+        acc = warpgroup_mma(x_s.index(_X_PIECE[k]), y_s.index(_Y_PIECE[k]).permute((1, 0)), acc,
+                            is_async=True)
     return acc
 
 
@@ -168,7 +169,7 @@ def _issue_pieces(p_d, dst, bar, c, bh, NT, which: gl.constexpr, n: gl.constexpr
     written by the prologue, into dst [n, 64, 64]."""
     mbarrier.expect(bar, n * 64 * 64 * 2)
     for p in gl.static_range(n):
-        row = (bh * NT + c) * (PIECE_PLANES * 64) + (which * 3 + p) * 64
+        row = (bh * NT + c) * (PIECE_PLANES * 64) + (which * AIB_PLANES + p) * 64
         _tma_load(p_d, [row, 0], bar, dst.index(p))
 
 
@@ -186,8 +187,8 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
     k_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH_MMA)
     q_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 128], SH_MMA)
     v_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)
-    ap_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # Aib's pieces [t, i]
-    qk_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)    # QKD's first two pieces [t, i]
+    ap_s = gl.allocate_shared_memory(gl.bfloat16, [AIB_PLANES, 64, 64], SH_MMA)   # Aib's pieces [t, i]
+    qk_s = gl.allocate_shared_memory(gl.bfloat16, [QKD_PLANES, 64, 64], SH_MMA)   # QKD's pieces [t, i]
     sp_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 128], SH_MMA)   # S^T's pieces
     rp_s = gl.allocate_shared_memory(gl.bfloat16, [3, 64, 64], SH_MMA)    # right-hand side's, then deltas'
     up_s = gl.allocate_shared_memory(gl.bfloat16, [2, 64, 64], SH_MMA)    # U^T's two pieces
@@ -202,8 +203,8 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
 
     _issue_chunk(k_d, q_d, v_d, k_s.index(0), q_s.index(0), v_s.index(0), bars.index(0), c0,
                  i_b, i_h, i_hk, v0, T)
-    _issue_pieces(p_d, ap_s, bars.index(2), c0, bh, NT, 0, 3)
-    _issue_pieces(p_d, qk_s, bars.index(3), c0, bh, NT, 1, 2)
+    _issue_pieces(p_d, ap_s, bars.index(2), c0, bh, NT, 0, AIB_PLANES)
+    _issue_pieces(p_d, qk_s, bars.index(3), c0, bh, NT, 1, QKD_PLANES)
 
     _store_pieces3(sp_s, ST)
     tt = gl.arange(0, 64, layout=ALONG_T)
@@ -249,15 +250,17 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         fence_async_shared()
         _cta_barrier()
         mbarrier.wait(bars.index(2), j & 1)
-        u = _piece_products(rp_s, 0, ap_s, True, zc, 6)
-        # qS^T, for the output only: two pieces of S^T (2^-16 relative, see the module's docstring)
-        qs = warpgroup_mma(sp_s.index(1), q_c.permute((1, 0)), zc, is_async=True)
-        qs = warpgroup_mma(sp_s.index(0), q_c.permute((1, 0)), qs, is_async=True)
+        u = _piece_products(rp_s, ap_s, zc, 6)
+        # qS^T, for the output only: two pieces of S^T, smallest first (2^-16 relative, see the
+        # module's docstring)
+        qs = zc
+        for p in gl.static_range(QS_PIECES):
+            qs = warpgroup_mma(sp_s.index(QS_PIECES - 1 - p), q_c.permute((1, 0)), qs, is_async=True)
         rq = gl.load(rbuf + 2 * gb + 64 + tt)
-        u = warpgroup_mma_wait(2, deps=(u,))
+        u = warpgroup_mma_wait(QS_PIECES, deps=(u,))    # U^T is done; qS^T's groups stay in flight
         _cta_barrier()      # the right-hand side's and Aib's pieces are read: refill Aib's
         if c + 1 < c1:
-            _issue_pieces(p_d, ap_s, bars.index(2), c + 1, bh, NT, 0, 3)
+            _issue_pieces(p_d, ap_s, bars.index(2), c + 1, bh, NT, 0, AIB_PLANES)
 
         # S^T <- e^{G_C} S^T + (U^T diag(rk e^{G_C - G})) K (the state is the accumulator), and
         # o^T = U^T QKD^T + qS^T diag(e^G rq)
@@ -275,8 +278,8 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         ST = warpgroup_mma(rp_s.index(1), k_c, ST, is_async=True)
         ST = warpgroup_mma(rp_s.index(0), k_c, ST, is_async=True)
         mbarrier.wait(bars.index(3), j & 1)
-        o = _piece_products(up_s, 0, qk_s, True, qs * (gl.exp(G) * rq)[None, :], 3)
-        ST = warpgroup_mma_wait(3, deps=(ST,))
+        o = _piece_products(up_s, qk_s, qs * (gl.exp(G) * rq)[None, :], O_PRODUCTS)
+        ST = warpgroup_mma_wait(O_PRODUCTS, deps=(ST,))     # the update is done; o's groups stay in flight
         if c + 1 < c1:      # the next chunk's S^T pieces while o's products finish
             _store_pieces3(sp_s, ST)
         o = warpgroup_mma_wait(0, deps=(o,))
@@ -286,7 +289,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
                  mask=(tt < T - c * 64)[None, :])
         _cta_barrier()     # every warp is done with this stage and the piece buffers before refills
         if c + 1 < c1:
-            _issue_pieces(p_d, qk_s, bars.index(3), c + 1, bh, NT, 1, 2)
+            _issue_pieces(p_d, qk_s, bars.index(3), c + 1, bh, NT, 1, QKD_PLANES)
     cols = v0 + gl.arange(0, 64, layout=ROWS_H)
     keys = gl.arange(0, 128, layout=COLS_H)
     gl.store(final_state + bh.to(gl.int64) * 16384 + keys[None, :] * 128 + cols[:, None], ST)

@@ -53,7 +53,9 @@ L2_EPS = 1e-6
 NORM_EPS = 1e-6
 # PIECES: the [64, 64] bf16 planes a (chunk, value head) of the prologue's pieces, [t, i]: Aib's three
 # (planes 0-2), then QKD's two (3-4); gluon_chunked's state pass reads them by these offsets
-PIECE_PLANES = tl.constexpr(5)
+AIB_PLANES = tl.constexpr(3)
+QKD_PLANES = tl.constexpr(2)
+PIECE_PLANES = tl.constexpr(AIB_PLANES.value + QKD_PLANES.value)
 
 
 @triton.jit
@@ -155,12 +157,12 @@ def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq,
         # for gluon_chunked's state pass: the bf16 pieces of the decayed scores QKD [t, i] =
         # e^{G_t - G_i} rq_t rk_i q^_t . k^_i (i <= t), planes 3-4 of five [64, 64] a (chunk, value head),
         # formed here (beside A, sharing its decays) rather than once a chunk on the sequential path. Two
-        # pieces (at most 2^-18 relative): the state pass's output products read only those (its docstring)
+        # pieces (at most 2^-17 relative): the state pass's output products read only those (its docstring)
         diag = rc[:, None] == rc[None, :]
         qkd = (decay + tl.where(diag, 1.0, 0.0)) * QK
         p1 = round_to_bf16(qkd)
-        tl.store(pc_buf + pc + 3 * 4096, p1.to(tl.bfloat16))
-        tl.store(pc_buf + pc + 4 * 4096, round_to_bf16(qkd - p1).to(tl.bfloat16))
+        tl.store(pc_buf + pc + AIB_PLANES * 4096, p1.to(tl.bfloat16))
+        tl.store(pc_buf + pc + (AIB_PLANES + 1) * 4096, round_to_bf16(qkd - p1).to(tl.bfloat16))
     tl.debug_barrier()
     # the four 16 x 16 diagonal blocks of (I + A)^{-1} at once
     i4 = tl.arange(0, 4)
