@@ -175,23 +175,29 @@ def test_prologue_by_ranges_of_chunks_is_bitwise_one_launch() -> None:
 @pytest.mark.skipif(not triton_support.INTERPRETING, reason="runs the norm in Triton's interpreter")
 def test_gated_norm_by_row_ranges_of_each_sequence_is_bitwise_one_launch() -> None:
     """The gated norm as gluon_chunked launches it once per range of chunks (rows row0 .. row0 + n - 1
-    of each sequence, the sequences seq_rows apart) writes the same bits as one launch over all rows.
-    Two sequences of 70 tokens, ranges of 64 and 6 tokens: a range that ignored the sequence axis or
-    row0 leaves NaNs or writes other rows."""
+    of each sequence, the sequences seq_rows apart in z and out and o_seq_rows apart in o, which
+    gluon_chunked pads to whole chunks) writes the same bits as one launch over all rows of an unpadded
+    o. Two sequences of 70 tokens, ranges of 64 and 6 tokens, o padded to 128 tokens a sequence with
+    NaN: a range that ignored the sequence axis, row0 or o's stride, or read a padding row, leaves
+    NaNs or writes other values."""
     from impl.kernels.gdn import triton_chunked as tc
 
     B, T, HV, V = 2, 70, 3, 128
+    T_PAD = 128
     g = torch.Generator().manual_seed(5)
-    o = torch.randn(B * T * HV * V, generator=g)
+    o = torch.randn(B, T, HV * V, generator=g)
+    o_padded = torch.cat([o, torch.full((B, T_PAD - T, HV * V), float("nan"))], dim=1)
     z = torch.randn(B * T * HV * V, generator=g).to(torch.bfloat16)
     w = torch.rand(V, generator=g) + 0.5
     rows = B * T * HV
     whole = torch.full((rows * V,), float("nan")).to(torch.bfloat16)
     ranges = whole.clone()
-    tc._gated_norm_kernel[(-(-rows // 16), 1)](o, z, w, whole, rows, 0, rows, tc.NORM_EPS, V=V, R=16)
+    tc._gated_norm_kernel[(-(-rows // 16), 1)](o.reshape(-1), z, w, whole, rows, 0, rows, rows, tc.NORM_EPS,
+                                               V=V, R=16)
     for t0, t1 in ((0, 64), (64, T)):
         n = (t1 - t0) * HV
-        tc._gated_norm_kernel[(-(-n // 16), B)](o, z, w, ranges, n, t0 * HV, T * HV, tc.NORM_EPS, V=V, R=16)
+        tc._gated_norm_kernel[(-(-n // 16), B)](o_padded.reshape(-1), z, w, ranges, n, t0 * HV, T * HV,
+                                                T_PAD * HV, tc.NORM_EPS, V=V, R=16)
     assert not whole.float().isnan().any()
     assert torch.equal(whole, ranges)
 
@@ -240,8 +246,9 @@ def test_ranges_launch_every_chunk_and_row_once_and_chain_the_state(monkeypatch,
     covered = torch.zeros(B, T * HV, dtype=torch.int64)
     for name, grid, args in log:
         if name == "norm":
-            n_rows, row0, seq_rows = args[4], args[5], args[6]
+            n_rows, row0, seq_rows, o_seq_rows = args[4], args[5], args[6], args[7]
             assert seq_rows == T * HV and grid[1] == B and grid[0] * 16 >= n_rows
+            assert o_seq_rows == -(-T // 64) * 64 * HV      # o padded to whole chunks a sequence
             assert row0 + n_rows <= T * HV
             covered[:, row0:row0 + n_rows] += 1
     assert (covered == 1).all()

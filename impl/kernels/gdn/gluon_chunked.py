@@ -27,15 +27,19 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
   tiles there: k, q, v by TMA in a 2-stage ring, one chunk ahead (an mbarrier a stage), and the
   prologue's pieces.
 - 8 warps: the two warp groups split each product's columns (warps [4, 2]), so both issue wgmma and
-  each thread holds half of every tile (241 registers, no spills when T is a multiple of 16, 10-11
-  spilled values otherwise, triton 3.6; one warp group spilled at 255 registers).
+  each thread holds half of every tile (237-241 registers and no spills at every cell, triton 3.6;
+  one warp group spilled at 255 registers).
+- o goes to an fp32 buffer whose sequences are padded to whole chunks, so a chunk's 64 rows are
+  stored unmasked (a partial last chunk's rows past T are zeros there, and the norm never reads
+  them): the store masked at T cost 10-11 spilled values in every specialisation where T is not a
+  multiple of 16.
 - The waits follow the state's chain (KS^T, U^T, the update); the products that reach only o stay
   in flight past them. The row factors and v are read while KS^T is in flight; qS^T is issued after
   U^T's products and finishes while the deltas and U^T are split; the next chunk's S^T pieces are
   split and stored while o's products finish. Bitwise the same results as waiting for KS^T and qS^T,
   then for the update and o, together; the state pass went 749.1 -> 721.5 us at T = 8192 with qS^T
   after U^T, then, with the next chunk's pieces stored while o's products finish, 854.5 -> 801.9 us at
-  T = 8100 and 440.8 -> 413.8 at T = 4101 (where the kernel spills) and 722.0 -> 719.1 at T = 8192
+  T = 8100 and 440.8 -> 413.8 at T = 4101 (where the kernel spilled) and 722.0 -> 719.1 at T = 8192
   (same-run comparisons: reports/bench/gdn_prefill.md, section 000000).
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
   chunk reads the next sequence's rows (zeros past the tensor). They are set to zero in shared memory
@@ -284,9 +288,8 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
             _store_pieces3(sp_s, ST)
         o = warpgroup_mma_wait(0, deps=(o,))
 
-        o_base = ((i_b * T + c * 64).to(gl.int64) * HV + i_h) * 128 + v0
-        gl.store(o_buf + o_base + (tt[None, :] * (HV * 128) + ii[:, None]), o,
-                 mask=(tt < T - c * 64)[None, :])
+        o_base = ((i_b * NT + c).to(gl.int64) * 64 * HV + i_h) * 128 + v0    # sequences padded to NT chunks
+        gl.store(o_buf + o_base + (tt[None, :] * (HV * 128) + ii[:, None]), o)
         _cta_barrier()     # every warp is done with this stage and the piece buffers before refills
         if c + 1 < c1:
             _issue_pieces(p_d, qk_s, bars.index(3), c + 1, bh, NT, 1, QKD_PLANES)
@@ -360,7 +363,9 @@ def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, p
     rbuf = torch.empty(2 * B * HV * NT * CHUNK, dtype=torch.float32, device=dev)
     ai_buf = torch.empty(B * HV * NT * CHUNK * CHUNK, dtype=torch.float32, device=dev)   # prologue scratch
     pc_buf = torch.empty(B * HV * NT * PIECE_PLANES.value * CHUNK * CHUNK, dtype=torch.bfloat16, device=dev)
-    o_buf = torch.empty(B * T * HV * V, dtype=torch.float32, device=dev)
+    # o in fp32 for the norm, each sequence padded to whole chunks: the state pass stores a chunk's 64
+    # rows unmasked (the partial last chunk's rows past T are zeros, never read; see the docstring)
+    o_buf = torch.empty(B * NT * CHUNK * HV * V, dtype=torch.float32, device=dev)
     k_d = TensorDescriptor.from_tensor(k.view(B * T, HK * K), [64, 128], SH_MMA.value)
     q_d = TensorDescriptor.from_tensor(q.view(B * T, HK * K), [64, 128], SH_MMA.value)
     v_d = TensorDescriptor.from_tensor(v.view(B * T, HV * V), [64, 64], SH_MMA.value)
@@ -381,7 +386,8 @@ def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, p
     def norm(c0, c1):
         row0, n_rows = c0 * CHUNK * HV, (min(c1 * CHUNK, T) - c0 * CHUNK) * HV   # rows of each sequence
         return lambda: tc._gated_norm_kernel[(triton.cdiv(n_rows, 16), B)](
-            o_buf, z, norm_w, out, n_rows, row0, T * HV, tc.NORM_EPS, V=V, R=16, num_warps=4)
+            o_buf, z, norm_w, out, n_rows, row0, T * HV, NT * CHUNK * HV, tc.NORM_EPS, V=V, R=16,
+            num_warps=4)
 
     return [(prep(c0, c1), state_pass(c0, c1), norm(c0, c1)) for c0, c1 in zip(bounds, bounds[1:])]
 

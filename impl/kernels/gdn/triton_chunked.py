@@ -314,15 +314,18 @@ def _state_pass_kernel(q, k, v, z, norm_w, state, final_state, gbuf, rbuf, ai_bu
 
 
 @triton.jit
-def _gated_norm_kernel(o_buf, z, norm_w, out, n_rows, row0, seq_rows, norm_eps, V: tl.constexpr,
-                       R: tl.constexpr):
-    """Rows row0 .. row0 + n_rows - 1 of each sequence (program_id(1); seq_rows rows apart)."""
+def _gated_norm_kernel(o_buf, z, norm_w, out, n_rows, row0, seq_rows, o_seq_rows, norm_eps,
+                       V: tl.constexpr, R: tl.constexpr):
+    """Rows row0 .. row0 + n_rows - 1 of each sequence (program_id(1); seq_rows rows apart in z and
+    out, o_seq_rows in o_buf, which may pad each sequence)."""
     local = tl.program_id(0) * R + tl.arange(0, R)
     m = local < n_rows
-    rows = tl.program_id(1).to(tl.int64) * seq_rows + row0 + local
+    seq = tl.program_id(1).to(tl.int64)
+    rows = seq * seq_rows + row0 + local
     offs = tl.arange(0, V)
     ptr = rows[:, None].to(tl.int64) * V + offs[None, :]
-    o = tl.load(o_buf + ptr, mask=m[:, None], other=0.0)
+    o_ptr = (seq * o_seq_rows + row0 + local)[:, None].to(tl.int64) * V + offs[None, :]
+    o = tl.load(o_buf + o_ptr, mask=m[:, None], other=0.0)
     zz = tl.load(z + ptr, mask=m[:, None], other=0.0).to(tl.float32)
     w = tl.load(norm_w + offs).to(tl.float32)
     tl.store(out + ptr, _gated_norm_rows(o, w, zz, norm_eps, V).to(out.dtype.element_ty),
@@ -390,8 +393,8 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
             num_stages=cfg["num_stages"])
 
     def norm():
-        return _gated_norm_kernel[(triton.cdiv(rows, R), 1)](o_buf, z, norm_w, out, rows, 0, rows, NORM_EPS,
-                                                       V=V, R=R, num_warps=4)
+        return _gated_norm_kernel[(triton.cdiv(rows, R), 1)](
+            o_buf, z, norm_w, out, rows, 0, rows, rows, NORM_EPS, V=V, R=R, num_warps=4)
 
     plan = [("prep", prep), ("state_pass", state_pass)]
     return plan if fuse else plan + [("norm", norm)]
