@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from certify.yamlfile import YamlProblem, first_problem, load_mapping
+from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 
 UNIT_SECONDS = {"cpu_seconds": 1.0, "seconds": 1.0, "gpu_minutes": 60.0, "minutes": 60.0}
 
@@ -131,3 +131,20 @@ def load_budgets(path: Path) -> Budgets:
     except ValidationError as e:
         line, field, msg = first_problem(e, lines)
         raise BudgetsError(path, line, field, msg) from None
+
+
+def pin_errors(path: Path, budgets: Budgets, item_ids: set[str]) -> list[BudgetsError]:
+    """A pinned item that matches no item of the universe (a typo, a renamed or removed test) is an
+    error naming the line of the pin: left alone, it would pin nothing and say so nowhere."""
+    path = Path(path)
+    _, lines = load_mapping(path)
+    out = []
+    for tier, pins in budgets.pinned.items():
+        for item_id in pins:
+            if item_id not in item_ids:
+                loc = ("pinned", tier, item_id)
+                out.append(BudgetsError(path, locate(loc, lines), field_name(loc),
+                                        "pins no test: no item of the item universe (items.json "
+                                        "of the lists folder) has this id (`certify lists "
+                                        "--collect` re-collects it after a test is added)"))
+    return out

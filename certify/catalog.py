@@ -3,12 +3,15 @@ loading the other files goes on (``load_catalog`` returns the good ops and the e
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterator
+
 from pydantic import ValidationError
 
 from certify.plan import variants_of_cell
-from certify.rules import rule_names
+from certify.rules import evaluate, rule_names
 from certify.schema import OpFile
 from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 
@@ -29,6 +32,36 @@ class Catalog:
     ops: dict[str, OpFile] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
     errors: list[CatalogError] = field(default_factory=list)
+
+
+def _domain_points(op: OpFile, names: set[str]) -> Iterator[dict[str, Any]]:
+    """The axis values a rule is evaluated at beside the cells: every combination, over the axes the
+    rule reads, of each choice and both ends of each int range."""
+    per_axis = []
+    for name in sorted(names):
+        axis = op.axes[name]
+        values = axis.values if axis.kind == "choice" else sorted(set(axis.reach))
+        per_axis.append([(name, v) for v in values])
+    for combination in itertools.product(*per_axis):
+        yield dict(combination)
+
+
+def _rule_problem(op: OpFile) -> tuple[tuple, str] | None:
+    """A dispatch rule that raises where it is evaluated (a type mismatch such as ``dtype < 3``, a
+    division by an axis that can be 0): evaluated on every cell and over the axis domains, so the
+    error comes from loading, not from a dispatch at run time."""
+    for i, v in enumerate(op.variants):
+        where = [(f"cell {c.id!r}", op.axes_of(c)) for c in op.cells]
+        where += [("the axis domain point", point)
+                  for point in _domain_points(op, rule_names(v.dispatch))]
+        for what, axes in where:
+            try:
+                evaluate(v.dispatch, axes)
+            except Exception as e:  # noqa: BLE001 (any exception of a rule is the file's error)
+                shown = {k: axes[k] for k in sorted(rule_names(v.dispatch)) if k in axes}
+                return (("variants", i, "dispatch"),
+                        f"the rule raises at {what} {shown}: {type(e).__name__}: {e}")
+    return None
 
 
 def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
@@ -65,6 +98,10 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         for j, v in enumerate(cell.variants or ()):
             if v not in variants:
                 return ("cells", i, "variants", j), f"unknown variant {v!r} (known: {sorted(variants)})"
+    problem = _rule_problem(op)  # before the checks below, which evaluate the rules
+    if problem:
+        return problem
+    for i, cell in enumerate(op.cells):
         if cell.oracle.kind == "bitwise" and cell.oracle.against == "spec" and any(
                 v.impl == "spec" for v in variants_of_cell(op, cell)):
             return (("cells", i, "oracle", "against"),

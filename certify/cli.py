@@ -78,8 +78,8 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     rc = 0
     rel = paths.reach.relative_to(paths.root)
     if args.check:
-        current = paths.reach.read_text() if paths.reach.is_file() else ""
-        if current != text:
+        current = paths.reach.read_bytes() if paths.reach.is_file() else b""
+        if current != text.encode():
             print(f"{rel} is stale: run `certify trace` and commit it")
             rc = 1
         else:
@@ -87,8 +87,10 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     elif args.scenario:
         print("(some scenarios only: the reach file is not written)")
     else:
-        paths.reach.parent.mkdir(parents=True, exist_ok=True)
-        paths.reach.write_text(text)
+        from certify.atomic import atomic_write_text, locked  # noqa: PLC0415
+
+        with locked(paths.reach.parent):
+            atomic_write_text(paths.reach, text)
         print(f"wrote {rel}")
     catalog = load_catalog(paths.cells)
     findings = catalog_findings(catalog) + reach_findings(catalog, run.reach)
@@ -103,10 +105,12 @@ def _cmd_trace(args: argparse.Namespace) -> int:
 
 
 def _cmd_schema(args: argparse.Namespace) -> int:
+    from certify.atomic import atomic_write_text, locked  # noqa: PLC0415
+
     paths = project_paths()
-    paths.schema.mkdir(parents=True, exist_ok=True)
     out = paths.schema / "cells.schema.json"
-    out.write_text(schema_text())
+    with locked(paths.schema):
+        atomic_write_text(out, schema_text())
     print(f"wrote {out.relative_to(paths.root)}")
     return 0
 
@@ -116,12 +120,24 @@ def schema_text() -> str:
 
 
 def _cmd_check(args: argparse.Namespace) -> int:
+    """Load every input the framework reads and print each problem as file, line and field: the cell
+    files (their rules evaluated on every cell and over the axis domains, their spec, inputs and impl
+    paths imported), the scenarios, the budgets file and its pins, and the receipts files."""
+    from certify.budgets import BudgetsError, load_budgets, pin_errors  # noqa: PLC0415
+    from certify.callables import callable_errors  # noqa: PLC0415
+    from certify.lists import load_items  # noqa: PLC0415
+    from certify.utf8 import NotUtf8Error  # noqa: PLC0415
+
     paths = project_paths()
     catalog = load_catalog(paths.cells)
     for e in catalog.errors:
         print(e)
-    print(f"{len(catalog.ops)} op(s) loaded, {len(catalog.errors)} file(s) with errors")
-    bad = bool(catalog.errors)
+    unresolved = callable_errors(catalog)
+    for e in unresolved:
+        print(e)
+    print(f"{len(catalog.ops)} op(s) loaded, {len(catalog.errors)} file(s) with errors, "
+          f"{len(unresolved)} path(s) that do not resolve")
+    bad = bool(catalog.errors or unresolved)
     if paths.tracer and paths.scenarios.is_file():
         try:
             n = len(load_scenarios(paths.scenarios, load_tracer(paths.tracer).scenario_model))
@@ -129,7 +145,28 @@ def _cmd_check(args: argparse.Namespace) -> int:
         except ScenarioError as e:
             print(e)
             bad = True
-    return 1 if bad else 0
+    if paths.budgets.is_file():
+        items = paths.lists / "items.json"
+        try:
+            budgets = load_budgets(paths.budgets)
+            pins = pin_errors(paths.budgets, budgets, {r["id"] for r in load_items(items)}) \
+                if items.is_file() else []
+        except (BudgetsError, NotUtf8Error) as e:
+            print(e)
+            bad = True
+        else:
+            for e in pins:
+                print(e)
+            bad = bad or bool(pins)
+            print(f"budgets loaded from {paths.budgets.relative_to(paths.root)}, "
+                  f"{sum(len(p) for p in budgets.pinned.values())} pin(s), {len(pins)} pinning no test")
+    damaged: list = []
+    books = load_receipts(paths.receipts, damaged)
+    for problem in damaged:
+        print(problem)
+    print(f"{sum(len(b) for b in books.values())} receipt(s) loaded from {len(books)} file(s), "
+          f"{len(damaged)} damaged line(s)")
+    return 1 if bad or damaged else 0
 
 
 def _cmd_lists(args: argparse.Namespace) -> int:
@@ -137,8 +174,10 @@ def _cmd_lists(args: argparse.Namespace) -> int:
     import subprocess  # noqa: PLC0415
     import time  # noqa: PLC0415
 
+    from certify.atomic import atomic_write_text, locked_all  # noqa: PLC0415
     from certify.budgets import BudgetsError  # noqa: PLC0415
     from certify.lists import explain, generate, load_inputs, render_all  # noqa: PLC0415
+    from certify.utf8 import NotUtf8Error  # noqa: PLC0415
 
     paths = project_paths()
     if args.collect:
@@ -152,7 +191,7 @@ def _cmd_lists(args: argparse.Namespace) -> int:
         print(f"wrote {out.relative_to(paths.root)}")
     try:
         inp = load_inputs(paths)
-    except BudgetsError as e:
+    except (BudgetsError, NotUtf8Error) as e:
         print(f"error: {e}")
         return 1
     t0 = time.perf_counter()
@@ -174,7 +213,7 @@ def _cmd_lists(args: argparse.Namespace) -> int:
     for key, text in sorted(files.items()):
         base, _, rel = key.partition("/")
         target = where[base] / rel
-        if not target.is_file() or target.read_text() != text:
+        if not target.is_file() or target.read_bytes() != text.encode():
             stale.append(target)
     orphans = [p for p in sorted(paths.lists.glob("shards/*.yml"))
                if f"lists/shards/{p.name}" not in files]
@@ -187,17 +226,42 @@ def _cmd_lists(args: argparse.Namespace) -> int:
         print("the lists are current" if not stale and not orphans else
               "the lists are stale: run `certify lists` and commit test_lists/ and reports/lists.*")
         return 1 if stale or orphans else 0
-    for t in orphans:
-        t.unlink()
-    for key, text in sorted(files.items()):
-        base, _, rel = key.partition("/")
-        target = where[base] / rel
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if not target.is_file() or target.read_text() != text:
-            target.write_text(text)
+    with locked_all([paths.lists, paths.reports]):  # one set of lists, whole, per writer
+        for t in orphans:
+            t.unlink(missing_ok=True)
+        for key, text in sorted(files.items()):
+            base, _, rel = key.partition("/")
+            target = where[base] / rel
+            if not target.is_file() or target.read_bytes() != text.encode():
+                atomic_write_text(target, text)
     print(f"wrote {len(stale)} changed file(s) of {len(files)} under "
           f"{paths.lists.relative_to(paths.root)}/ and {paths.reports.relative_to(paths.root)}/")
     return 0
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    """Re-run receipts on this machine's archs and compare digests, metrics and status."""
+    from certify.verify import MISMATCH, SKIPPED, select_receipts, verify_target  # noqa: PLC0415
+
+    paths = project_paths()
+    catalog = load_catalog(paths.cells)
+    for e in catalog.errors:
+        print(f"error: {e}", file=sys.stderr)
+    chosen, left = select_receipts(catalog, paths.receipts, args.op, args.arch, args.budget)
+    results = []
+    for t, r in chosen:
+        v = verify_target(t, r)
+        results.append(v)
+        if v.verdict != SKIPPED or args.verbose:
+            print(v, flush=True)
+    if args.verbose:
+        for v in left:
+            print(v)
+    by: dict[str, int] = {}
+    for v in results + left:
+        by[v.verdict] = by.get(v.verdict, 0) + 1
+    print(f"verified {len(results)} receipt(s): " + ", ".join(f"{n} {k}" for k, n in sorted(by.items())))
+    return 1 if by.get(MISMATCH) or catalog.errors else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -217,6 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--outdated", action="store_true", help="skip targets with a fresh receipt")
     c.add_argument("--dry-run", action="store_true", help="run, but write no receipts")
     c.set_defaults(fn=_cmd_run)
+    v = sub.add_parser("verify", help="re-run receipts and compare their digests, metrics and status")
+    v.add_argument("--op", action="append")
+    v.add_argument("--arch", action="append", help="default: every arch this machine has")
+    v.add_argument("--budget", type=float, default=None, metavar="S",
+                   help="re-run the cheapest receipts whose recorded seconds fit in S")
+    v.add_argument("-v", "--verbose", action="store_true", help="also list what was not re-run")
+    v.set_defaults(fn=_cmd_verify)
     t = sub.add_parser("trace", help="trace the scenarios through the forward, write the reach file")
     t.add_argument("--check", action="store_true", help="compare with the committed reach file, "
                                                          "write nothing; exit 1 when it is stale")
@@ -246,4 +317,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from certify.checkout import main as checkout_main  # the checkout's own code (certify.checkout)
+
+    raise SystemExit(checkout_main())

@@ -47,6 +47,18 @@ class Outcome:
     message: str = ""
     seconds: float = 0.0
     ran: dict[str, bool] = field(default_factory=dict)  # spec / variant / oracle actually ran
+    digests: dict[str, str] = field(default_factory=dict)  # output name -> tensor_digest
+
+
+def tensor_digest(x: torch.Tensor | tuple | list) -> str:
+    """sha256 of a tensor's dtype, shape and bytes (row-major), or of a sequence of tensors (a
+    multi-pool output) in order: equal digests, equal results."""
+    h = hashlib.sha256()
+    for t in (x if isinstance(x, (tuple, list)) else (x,)):
+        t = t.detach().cpu().contiguous()
+        h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
 
 
 def certifying_problem(name: str, outcome: Outcome) -> str | None:
@@ -167,6 +179,7 @@ def certify_cell(op: OpFile, variant_name: str, cell: Cell, arch: str,
         case = build_case(op, cell, device_for(arch))
         got = run_variant(impl, case)
         ran["variant"] = True
+        digests = {name: tensor_digest(t) for name, t in got.items()}
         verdicts = _apply_oracle(op, cell, spec, impl, case, got, ran)
         metrics: dict[str, float] = {}
         problems: list[str] = []
@@ -174,7 +187,7 @@ def certify_cell(op: OpFile, variant_name: str, cell: Cell, arch: str,
             metrics.update(v.metrics)
             problems += v.problems
         status = "passed" if not problems else "failed"
-        return Outcome(status, metrics, "\n".join(problems), time.perf_counter() - t0, ran)
+        return Outcome(status, metrics, "\n".join(problems), time.perf_counter() - t0, ran, digests)
     except Exception as e:  # noqa: BLE001 - a crash in one cell must not stop the others
         tb = traceback.format_exception_only(type(e), e)[-1].strip()
         return Outcome("error", {}, f"{tb}\n{traceback.format_exc(limit=-3)}",

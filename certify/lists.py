@@ -41,7 +41,9 @@ from typing import Any
 
 import numpy as np
 
-from certify.budgets import Budgets, load_budgets
+from certify.atomic import atomic_write_text, locked
+from certify.budgets import Budgets, load_budgets, pin_errors
+from certify.utf8 import read_utf8
 
 ITEMS_FORMAT = "items/1"
 DURATIONS_FORMAT = "durations/1"
@@ -83,8 +85,9 @@ def item_record(item, declared: str) -> dict[str, Any]:
 
 
 def write_items(path: Path, records: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(items_text(records))
+    path = Path(path)
+    with locked(path.parent):
+        atomic_write_text(path, items_text(records))
 
 
 def items_text(records: list[dict]) -> str:
@@ -96,7 +99,7 @@ def items_text(records: list[dict]) -> str:
 
 
 def load_items(path: Path) -> list[dict]:
-    return json.loads(Path(path).read_text())["items"]
+    return json.loads(read_utf8(path))["items"]
 
 
 # ------------------------------------------------------------------------------ durations
@@ -106,7 +109,7 @@ def load_durations(path: Path) -> dict[str, float]:
     path = Path(path)
     if not path.is_file():
         return {}
-    return {k: float(v) for k, v in json.loads(path.read_text())["durations"].items()}
+    return {k: float(v) for k, v in json.loads(read_utf8(path))["durations"].items()}
 
 
 def durations_text(durations: dict[str, float]) -> str:
@@ -119,10 +122,13 @@ def durations_text(durations: dict[str, float]) -> str:
 
 
 def record_durations(path: Path, measured: dict[str, float]) -> None:
-    merged = load_durations(path)
-    merged.update(measured)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(durations_text(merged))
+    """Merge measured seconds into the durations file: read, merged and written under the lock of its
+    directory, so two test runs recording at once keep each other's measurements."""
+    path = Path(path)
+    with locked(path.parent):
+        merged = load_durations(path)
+        merged.update(measured)
+        atomic_write_text(path, durations_text(merged))
 
 
 # ------------------------------------------------------------------------------ the lists as data
@@ -145,7 +151,7 @@ def list_tiers(lists_dir: Path) -> dict[str, str] | None:
 def list_ids(path: Path) -> list[str]:
     """The item ids of a list or shard file (one ``- "id"`` per line, as written here)."""
     ids = []
-    for line in Path(path).read_text().splitlines():
+    for line in read_utf8(path).splitlines():
         s = line.strip()
         if s.startswith('- "'):
             ids.append(json.loads(s[2:s.rindex('"') + 1]))
@@ -482,10 +488,15 @@ class Inputs:
 
 
 def load_inputs(paths) -> Inputs:
+    """The generator's inputs; ``BudgetsError`` for the first problem of the budgets file, a pin that
+    matches no item included."""
     b = load_budgets(paths.budgets)
     records = load_items(paths.lists / "items.json")
+    bad_pins = pin_errors(paths.budgets, b, {r["id"] for r in records})
+    if bad_pins:
+        raise bad_pins[0]
     durations = load_durations(paths.lists / "durations.json")
-    reach = json.loads(paths.reach.read_text()) if paths.reach.is_file() else None
+    reach = json.loads(read_utf8(paths.reach)) if paths.reach.is_file() else None
     ops = sorted(p.stem for p in paths.cells.glob("*.yaml"))
     return Inputs(b, records, durations, reach, ops)
 

@@ -7,6 +7,9 @@
 - Any other test without a tier marker is pre-merge by default, so ``pytest -m premerge`` runs the
   framework's own tests, the spec's property tests and guards, and the pre-merge cells.
 - ``--certify-receipts DIR`` appends a receipt per certified item to DIR (one file per worker).
+- A certified item whose committed receipt is fresh re-checks it (``certify.verify``): where the run
+  is comparable with the receipt's (same versions, CPU dispatch or GPU), it fails unless the digests,
+  metrics and status reproduce.
 - Generated test lists (``certify.lists``): when the pre-merge list (``[tool.certify] lists``, default
   ``test_lists/premerge.yml``) exists, an item's tier is the list that holds it (pre-merge iff its id is
   in ``premerge.yml``), so ``pytest -m premerge`` runs exactly the pre-merge list; an item in no list
@@ -27,8 +30,16 @@ from certify.catalog import CatalogError, load_op_file
 from certify.harness import certify_cell, certifying_problem
 from certify.paths import project_paths
 from certify.plan import Target, targets
-from certify.receipts import make_receipt, write_receipts
+from certify.receipts import (
+    content_hash,
+    library_versions,
+    load_receipts,
+    make_receipt,
+    write_receipts,
+)
+from certify.requirements import versions as required_versions
 from certify.requirements import why_skipped
+from certify.verify import compare
 from certify.schema import TIERS
 
 UNIVERSE = pytest.StashKey[list]()  # the item records of a session that collected the whole suite
@@ -94,6 +105,16 @@ class CatalogErrorItem(pytest.Item):
         return self.path, self.error.line - 1, f"cell file {self.path.name}"
 
 
+_COMMITTED = pytest.StashKey[dict]()
+
+
+def _committed_receipts(config: pytest.Config) -> dict:
+    """The project's committed receipts, loaded once a session."""
+    if _COMMITTED not in config.stash:
+        config.stash[_COMMITTED] = load_receipts(project_paths(str(config.rootpath)).receipts)
+    return config.stash[_COMMITTED]
+
+
 class CertifyItem(pytest.Item):
     def __init__(self, *, target: Target, **kw):
         super().__init__(**kw)
@@ -120,6 +141,16 @@ class CertifyItem(pytest.Item):
         problem = certifying_problem(t.name, outcome)
         if problem:
             raise CertificationFailure(problem)
+        # The run is a verification of the committed receipt (certify.verify), where comparable.
+        committed = _committed_receipts(self.config).get(t.arch, {}).get(
+            (t.op.op, t.variant.name, t.cell.id))
+        if committed is not None and committed.hash == content_hash(t.op, t.variant.name, t.cell):
+            now = library_versions() | required_versions(t.variant)
+            mismatches, _ = compare(committed, outcome, now)
+            if mismatches:
+                raise CertificationFailure(
+                    f"{t.name}: the run does not reproduce its committed receipt (re-certify with "
+                    f"`certify run --op {t.op.op}` if the change is meant):\n  " + "\n  ".join(mismatches))
 
     def repr_failure(self, excinfo, style=None):
         return str(excinfo.value) if excinfo.errisinstance(CertificationFailure) else \

@@ -35,6 +35,7 @@ from certify.archs import is_runtime_arch
 from certify.catalog import Catalog, load_catalog
 from certify.harness import resolve
 from certify.scenarios import ScenarioBase, load_scenarios
+from certify.utf8 import read_utf8
 
 FORMAT = "reach/1"
 AxisValue = int | str | bool
@@ -222,7 +223,7 @@ def load_reach(path: Path) -> ReachFile | None:
     path = Path(path)
     if not path.is_file():
         return None
-    return ReachFile.model_validate_json(path.read_text())
+    return ReachFile.model_validate_json(read_utf8(path))
 
 
 # ------------------------------------------------------------------------------ running the tracer

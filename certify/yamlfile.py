@@ -1,5 +1,9 @@
 """YAML data files with line numbers: every loader of the framework reports a problem as file, line and
-field (the cell files, the scenario file)."""
+field (the cell files, the scenario file, the budgets file, the gate and reference files).
+
+Stricter than ``yaml.safe_load`` where a silent choice would hide a mistake: a key repeated in one
+mapping is an error (naming both lines) rather than the last one winning, and a file that is not UTF-8
+is an error naming the line and the byte offset rather than a ``UnicodeDecodeError``."""
 
 from __future__ import annotations
 
@@ -9,11 +13,14 @@ from typing import Any
 import yaml
 from pydantic import ValidationError
 
+from certify.utf8 import NotUtf8Error, read_utf8
+
 _CONSTRUCTOR = yaml.SafeLoader("")  # builds Python values from already-composed scalar nodes
 
 
 class YamlProblem(Exception):
-    """A file that is not YAML, is empty, or is not a mapping: (line, field, message)."""
+    """A file that is not UTF-8, is not YAML, repeats a key, is empty, or is not a mapping:
+    (line, field, message)."""
 
     def __init__(self, line: int, field: str, message: str):
         super().__init__(message)
@@ -25,10 +32,16 @@ def _to_python(node: yaml.Node, path: tuple, lines: dict[tuple, int]) -> Any:
     lines[path] = node.start_mark.line + 1
     if isinstance(node, yaml.MappingNode):
         out: dict = {}
+        first_line: dict = {}
         for key_node, value_node in node.value:
             key = _CONSTRUCTOR.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            if key in first_line:
+                raise YamlProblem(line, field_name(path + (key,)),
+                                  f"duplicate key {key!r} (first at line {first_line[key]})")
+            first_line[key] = line
             out[key] = _to_python(value_node, path + (key,), lines)
-            lines[path + (key,)] = key_node.start_mark.line + 1
+            lines[path + (key,)] = line
         return out
     if isinstance(node, yaml.SequenceNode):
         return [_to_python(n, path + (i,), lines) for i, n in enumerate(node.value)]
@@ -39,7 +52,9 @@ def load_mapping(path: Path) -> tuple[dict, dict[tuple, int]]:
     """The file's top-level mapping and the line of every path in it; ``YamlProblem`` otherwise."""
     lines: dict[tuple, int] = {}
     try:
-        node = yaml.compose(Path(path).read_text())
+        node = yaml.compose(read_utf8(path))
+    except NotUtf8Error as e:
+        raise YamlProblem(e.line, "(file)", e.message) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         raise YamlProblem((mark.line + 1) if mark else 1, "(yaml)",

@@ -448,7 +448,8 @@ def _receipt_summary(op: OpFile, variant: str, arch: str, book: dict) -> str:
     cells = [cell for cell in op.cells if _cell_serves(op, cell, variant, arch)]
     if not cells:
         return f"no cell certifies it on {arch}"
-    states = [freshness(book.get((op.op, variant, cell.id)), op, variant, cell) for cell in cells]
+    states = [freshness(book.get((op.op, variant, cell.id)), op, variant, cell, arch)
+              for cell in cells]
     n = states.count("certified")
     return f"{'certified' if n else 'NOT certified'} receipt at {n}/{len(cells)} cell(s) on {arch}"
 

@@ -31,7 +31,7 @@ def test_cpu_receipts_are_fresh_and_passing():
         for t in targets(op):
             if t.arch in cpu_archs:
                 r = books.get(t.arch, {}).get((op.op, t.variant.name, t.cell.id))
-                s = freshness(r, op, t.variant.name, t.cell)
+                s = freshness(r, op, t.variant.name, t.cell, t.arch)
                 if s != "certified":
                     bad.append(f"{t.name}: {s}")
     assert not bad, f"{len(bad)} CPU certification(s) not current ({REGENERATE}):\n" + "\n".join(bad)

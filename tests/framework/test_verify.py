@@ -1,0 +1,97 @@
+"""``certify verify``: a receipt is re-run and must reproduce its status, digests and metrics."""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from certify.catalog import load_catalog
+from certify.cli import main
+from certify.harness import certify_cell
+from certify.paths import project_paths
+from certify.plan import targets
+from certify.receipts import library_versions, make_receipt, write_receipts
+from certify.verify import (
+    CONFIRMED,
+    CONFIRMED_BAND,
+    MISMATCH,
+    not_comparable,
+    select_receipts,
+    verify_target,
+)
+
+OP = "gated_rmsnorm"
+
+
+@pytest.fixture(scope="module")
+def target():
+    catalog = load_catalog(project_paths().cells)
+    return next(t for t in targets(catalog.ops[OP])
+                if t.variant.name == "torch" and t.arch == "cpu" and t.cell.oracle.kind == "tolerance")
+
+
+@pytest.fixture(scope="module")
+def receipt(target):
+    outcome = certify_cell(target.op, target.variant.name, target.cell, target.arch)
+    assert outcome.status == "passed", outcome.message
+    return make_receipt(target.op, target.variant.name, target.cell, target.arch, outcome)
+
+
+def test_an_honest_receipt_is_confirmed(target, receipt):
+    v = verify_target(target, receipt)
+    assert v.verdict == CONFIRMED, v
+
+
+def test_changed_code_under_a_recomputed_hash_is_caught(target, receipt, monkeypatch):
+    """The variant now writes other bytes (still inside the band, so its status stays passed), and
+    the receipt's hash was recomputed over the changed code: only the digests tell."""
+    import impl.kernels.gdn.torch_ops as mod
+
+    real = mod.gated_rmsnorm
+
+    def drifted(**kw):
+        real(**kw)
+        kw["out"].view(-1)[:1].view(torch.int16).add_(1)  # one element one bf16 ulp away
+
+    monkeypatch.setattr(mod, "gated_rmsnorm", drifted)
+    v = verify_target(target, receipt)
+    assert v.verdict == MISMATCH and "digest" in v.detail and "status" not in v.detail, v
+
+
+def test_a_forged_status_is_caught(target, receipt):
+    forged = receipt.model_copy(update={"status": "failed"})
+    v = verify_target(target, forged)
+    assert v.verdict == MISMATCH and "status passed now, failed recorded" in v.detail, v
+
+
+def test_another_cpu_dispatch_rechecks_status_and_band_only(target, receipt):
+    other = {**receipt.versions, "cpu_capability": "NOT_THIS_ONE"}
+    assert "cpu_capability NOT_THIS_ONE here" in not_comparable(other, library_versions())
+    edited = receipt.model_copy(update={"versions": other,
+                                        "digests": {k: "0" * 32 for k in receipt.digests}})
+    v = verify_target(target, edited)
+    assert v.verdict == CONFIRMED_BAND and "NOT_THIS_ONE" in v.detail, v
+
+
+def test_the_budget_takes_the_cheapest_receipts(target, receipt, tmp_path: Path):
+    cheap = receipt.model_copy(update={"seconds": 0.5})
+    dear = receipt.model_copy(update={"cell": "elsewhere", "seconds": 50.0})
+    write_receipts(tmp_path, [cheap, dear])
+    catalog = load_catalog(project_paths().cells)
+    chosen, left = select_receipts(catalog, tmp_path, ops=[OP], archs=["cpu"], budget_s=1.0)
+    assert [r.seconds for _, r in chosen] == [0.5]
+    assert not any("elsewhere" in v.target for v in left)  # a receipt of no target is never run
+
+
+def test_the_command_exits_1_on_a_mismatch(target, receipt, tmp_path: Path, monkeypatch, capsys):
+    from certify import cli
+
+    paths = project_paths()
+    monkeypatch.setattr(cli, "project_paths",
+                        lambda: type(paths)(**{**paths.__dict__, "receipts": tmp_path}))
+    write_receipts(tmp_path, [receipt])
+    assert main(["verify", "--op", OP, "--arch", "cpu"]) == 0
+    assert "1 confirmed" in capsys.readouterr().out
+    write_receipts(tmp_path, [receipt.model_copy(update={"status": "failed"})])
+    assert main(["verify", "--op", OP, "--arch", "cpu"]) == 1
+    assert MISMATCH in capsys.readouterr().out
