@@ -491,10 +491,11 @@ class TrainModel(nn.Module):
     # ------------------------------------------------------------------ export
 
     @torch.no_grad()
-    def to_weights(self) -> Weights:
-        """``spec.model.Weights`` (fp32 dense weights; NVFP4 experts; calibrated global scales)."""
+    def to_weights(self, dtype: torch.dtype = torch.float32) -> Weights:
+        """``spec.model.Weights`` (dense weights in ``dtype``, fp32 by default; NVFP4 experts; fp32
+        calibrated global scales)."""
         cfg = self.cfg
-        c = lambda t: t.detach().float().cpu().clone()  # noqa: E731
+        c = lambda t: t.detach().to(dtype).cpu().clone()  # noqa: E731
         gs = lambda amax: ops.global_scale(amax.detach().cpu() if float(amax) > 0  # noqa: E731
                                            else torch.tensor(16.0))
 

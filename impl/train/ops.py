@@ -152,7 +152,7 @@ def fake_nvfp4(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """x through spec's nvfp4 quantiser and back (blocks of 16 along the last dim), with the
     straight-through gradient: forward = dequant(quant(x)), backward = identity."""
     with torch.no_grad():
-        q = nvfp4_dequantize(*nvfp4_quantize(x.detach(), gs), gs, torch.float32)
+        q = nvfp4_dequantize(*nvfp4_quantize(x.detach(), gs), gs, x.dtype)
     return x + (q - x).detach()
 
 

@@ -8,7 +8,6 @@ BLAS call sees a different number of rows, which moves float64 results by ~1e-15
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import pytest
 import torch
@@ -74,19 +73,15 @@ def test_param_count_equals_instantiated_weights(w32: Weights) -> None:
     assert weight_elements(meta) == target.param_count()
 
 
-def test_tiny_forward_runs_on_cpu_in_seconds(w32: Weights) -> None:
+def test_tiny_forward_runs_on_cpu(w32: Weights) -> None:
     cache = _cache(2, 96, dtype=torch.float32)
     toks = _tokens(1, 2, 64)
-    start = time.perf_counter()
     logits = forward(w32, TINY, toks, cache)
     step = forward(w32, TINY, toks[:, :1], cache)
-    elapsed = time.perf_counter() - start
-    print(f"tiny fp32: 2 x 64-token prefill + 1 decode step in {elapsed:.2f} s")
     assert logits.shape == (2, 64, TINY.vocab_size) and logits.dtype == torch.float32
     assert step.shape == (2, 1, TINY.vocab_size)
     assert bool(torch.isfinite(logits).all()) and bool(torch.isfinite(step).all())
     assert cache.lengths == [65, 65]
-    assert elapsed < 30.0
 
 
 def test_target_forward_on_meta() -> None:
