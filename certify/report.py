@@ -209,7 +209,10 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
         for r, arch, _ in certified:
             rc = r.receipts[arch]
             md.append(f"- `{r.variant}` at `{r.cell}` on {arch}: {_measured(rc) or 'passed'} "
-                      f"(receipt {rc.date}, torch {rc.versions.get('torch', '?')})")
+                      f"(receipt {rc.date}, torch {rc.versions.get('torch', '?')}"
+                      + (f", CPU dispatch {rc.versions['cpu_capability']}"
+                         if not arch.startswith("sm_") and "cpu_capability" in rc.versions else "")
+                      + ")")
     else:
         md.append("- nothing yet")
     md += ["", "## What is not certified", ""]
