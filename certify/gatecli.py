@@ -2,13 +2,18 @@
 
     certify gates run NAME [NAME ...]      # or --tier premerge; --record writes missing references;
                                            # --jobs N runs the gates in N worker processes
+    certify gates render                   # re-judge every report from its stored per-sample scores
     certify gates list                     # every gate, its tier, checks and last measured cost
-    certify gates check                    # load every gate file against the target; errors name
-                                           # file, line and field
+    certify gates check                    # load every gate and reference file against the target
+                                           # (a reference is checked against itself too); errors
+                                           # name file, line and field
 
 ``run`` shows a progress bar per engine run (with ``--jobs``, labelled by gate, beside one over the
-gates), prints each check's verdict with its threshold and minimum detectable effect, and writes
-``reports/gates/<gate>.json`` and ``reports/gates/summary.md``. Exit 1 when a gate failed, lacked a
+gates), prints each check's verdict with its exact p-value and level, false-fail rate and power, and
+writes ``reports/gates/<gate>.json`` (with every run's per-sample scores) and
+``reports/gates/summary.md``. Each check runs at its share of its tier's family-wise rate, the
+family being every gate file of the tier, whichever gates this command runs. ``render`` judges the
+stored scores again under the current statistics and references, without running the engine. Exit 1 when a gate failed, lacked a
 reference, or a file had errors (a --record run whose checks lacked references and recorded them
 exits 0: its status is `recorded`, not a pass); a skipped gate (the target cannot run here, e.g. no
 checkpoint) is reported with its reason and is not a failure.
@@ -20,7 +25,9 @@ import argparse
 import json
 import sys
 
-from certify.gaterun import run_gate, run_gates_in_jobs, write_report
+from certify.gatejudge import tier_families
+from certify.gatereport import render, write_report
+from certify.gaterun import run_gate, run_gates_in_jobs
 from certify.gates import ReferenceStore, gate_settings, load_gates, load_target
 from certify.schema import TIERS
 
@@ -52,6 +59,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("no gate selected", file=sys.stderr)
         return 1
     bad = [bool(loaded.errors or store.errors)]
+    families = tier_families(loaded.gates.values())   # every gate file of a tier, run or not
     with _progress() as bar:
         runs: dict[str, int] = {}
 
@@ -66,7 +74,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if result.recorded:
                 bar.console.print(f"  recorded references: {', '.join(result.recorded)}", soft_wrap=True)
             if result.status != "skipped" and not args.no_report:
-                write_report(result, settings.reports)
+                write_report(result, settings.reports, loaded.gates)
             bad[0] |= result.status in ("failed", "no reference")  # recorded: what --record asked for
 
         if args.jobs > 1 and len(chosen) > 1:
@@ -83,13 +91,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 bad[0] = True
                 bar.advance(task)
 
-            run_gates_in_jobs(order, settings.target, store, args.jobs, record=args.record,
+            run_gates_in_jobs(order, settings.target, store, args.jobs, families=families,
+                              record=args.record,
                               overwrite=args.overwrite, on_result=done, on_error=error,
                               on_progress=lambda gate, label, d, t: run_bar(f"{gate}: {label}", d, t))
         else:
             for gate in chosen:
-                finish(run_gate(gate, target, store, progress=run_bar, record=args.record,
-                                overwrite=args.overwrite))
+                finish(run_gate(gate, target, store, family=families.get(gate.tier),
+                                progress=run_bar, record=args.record, overwrite=args.overwrite))
     for path in store.save():
         print(f"wrote {path.relative_to(settings.gates.parent.parent)}")
     return 1 if bad[0] else 0
@@ -109,6 +118,20 @@ def _last_cost(settings, name: str) -> str:
         return "not measured"
     r = json.loads(path.read_text())
     return f"{r['seconds']:.1f} s on {r['arch']} ({r['date']})"
+
+
+def _cmd_render(args: argparse.Namespace) -> int:
+    settings = gate_settings()
+    loaded = load_gates(settings.gates)
+    store = ReferenceStore(settings.references)
+    for e in [*loaded.errors, *store.errors]:
+        print(f"error: {e}", file=sys.stderr)
+    done, left = render(settings.reports, loaded.gates, store)
+    for name in done:
+        print(f"re-rendered {name}")
+    for why in left:
+        print(f"left as it is: {why}")
+    return 1 if loaded.errors or store.errors else 0
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
@@ -148,6 +171,9 @@ def add_parser(sub) -> None:
                    help="run the gates in N worker processes, longest first, each with 1/N of the "
                         "cores (OMP_NUM_THREADS, unless set); their references are merged here")
     r.set_defaults(fn=_cmd_run)
+    rd = gsub.add_parser("render", help="re-judge every report from its stored per-sample scores "
+                                        "under the current statistics (no engine run)")
+    rd.set_defaults(fn=_cmd_render)
     ls = gsub.add_parser("list", help="every gate with its tier, checks and last measured cost")
     ls.set_defaults(fn=_cmd_list)
     k = gsub.add_parser("check", help="load every gate and reference file; errors name the line")

@@ -1,6 +1,7 @@
 """Running a gate: each engine configuration the gate needs runs every task its checks read, once, in
 this run (the gate's own engine, and for a paired check the configuration it is compared with); then
-every check compares what was measured with its reference (certify.gatestats).
+every check is judged from the per-sample scores of this run and of its references
+(certify.gatejudge, with the statistics of certify.gatestats).
 
 Statuses: a check ``passed`` / ``failed``, or has ``no reference`` (none recorded for its
 configuration: that is not a pass; ``--record`` writes one from this run, to be reviewed and
@@ -8,51 +9,40 @@ committed), or is ``recorded`` (it had none and this run's measurement became it
 pass either, the next run checks against it). A gate is ``skipped`` when the target says it cannot
 run here (the reason is kept), ``failed`` when a check failed, else ``no reference`` when a check
 lacks its reference, else ``recorded`` when this run recorded one, else ``passed``.
+
+A result keeps every run's per-sample scores and verify steps, so a change of statistics re-judges
+it (``rejudge``) without running the engine again, and the platform the numbers came from
+(``platform``): the CPU capability torch dispatched to and the settings that choose it.
+
+Repeatability. Every gate's engine runs with ``GATE_THREADS`` intra-op threads, however many jobs
+share the machine: torch's CPU kernels may split a reduction or a product by thread count (on one
+x86 machine 1 and 2 threads gave different greedy tokens), so a fixed count makes a re-run on the
+same machine and software bitwise the same run whatever ``--jobs`` is. What the last bits still
+depend on is the platform, which a result records (``numeric_platform``): torch's version, the CPU
+and the capability its kernels dispatched to (AVX2 against AVX512 turned a greedy answer on another
+machine). The checks are exact tests on per-sample scores, so such a change of a sample or two is
+judged as what it is; a result says whether it gave its references back bitwise (``bitwise``).
 """
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from certify import gatestats as st
-from certify.gates import (
-    GateTarget,
-    ReferenceStore,
-    TaskResult,
-    config_key,
-    utc_now,
-)
-from certify.gateschema import (
-    AcceptanceCheck,
-    AccuracyCheck,
-    GateFile,
-    PairedDeltaCheck,
-    Reference,
-)
+from certify.gatejudge import CheckResult, Family, against_label, judge, own_family, reproduces
+from certify.gates import GateTarget, ReferenceStore, TaskResult, utc_now
+from certify.gateschema import AcceptanceCheck, AccuracyCheck, GateFile, PairedDeltaCheck, Reference
 
 RunProgress = Callable[[str, int, int], None]   # (run label, done, total)
-
-
-@dataclass
-class CheckResult:
-    kind: str
-    task: str
-    status: str                      # passed | failed | no reference | recorded
-    measured: float | None = None
-    reference: float | None = None
-    threshold: float | None = None
-    mde: float | None = None         # minimum detectable effect (points), statistical checks only
-    detail: str = ""
 
 
 @dataclass
@@ -66,6 +56,15 @@ class RunRecord:
     acceptance_length: float | None
     verify_steps: int
     seconds: float
+    eval_set_sha256: str = ""
+    scores: str | list[float] = ""   # per sample, in sample order (a string of 0 / 1 when binary)
+    accepted: list[list[int]] = field(default_factory=list)  # per sample: tokens per verify step
+
+    def task_result(self) -> TaskResult:
+        """The measurement back as the target gave it (a stored run re-judged without the engine)."""
+        scores = [float(c) for c in self.scores] if isinstance(self.scores, str) else \
+            list(self.scores)
+        return TaskResult(scores, [list(a) for a in self.accepted], self.seconds)
 
 
 @dataclass
@@ -81,6 +80,11 @@ class GateResult:
     target: dict[str, str] = field(default_factory=dict)
     date: str = ""
     recorded: list[str] = field(default_factory=list)
+    statistics: int = st.STATISTICS_VERSION
+    family: dict[str, Any] = field(default_factory=dict)     # tier, checks, alpha, level
+    platform: dict[str, Any] = field(default_factory=dict)   # what decides the numbers' last bits
+    rendered: str = ""               # set when the checks were re-judged from the stored scores
+    bitwise: bool | None = None      # every reference's numbers given back exactly (None: one lacked)
 
     def summary(self) -> str:
         if self.status == "skipped":
@@ -91,124 +95,116 @@ class GateResult:
         return "\n".join(lines)
 
 
+GATE_THREADS = 1    # intra-op threads of every gate's engine runs, whatever --jobs is
+PLATFORM_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+@contextmanager
+def gate_threads(threads: int | None = None):
+    """torch's intra-op thread count at ``threads`` (default ``GATE_THREADS``) for the block,
+    restored after (module docstring)."""
+    import torch
+    threads = GATE_THREADS if threads is None else threads
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def numeric_platform() -> dict[str, Any]:
+    """What the last bits of a CPU measurement depend on: torch's version, the CPU capability its
+    ATen kernels dispatched to (``ATEN_CPU_CAPABILITY`` caps it; oneDNN's own ISA is capped by
+    ``ONEDNN_MAX_CPU_ISA``), its intra-op thread count, the CPU model, and those settings as the
+    environment gave them (None: unset)."""
+    import torch
+    return {"torch": torch.__version__, "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "threads": torch.get_num_threads(), "cpu": _cpu_model(),
+            "settings": {k: os.environ.get(k) for k in PLATFORM_SETTINGS}}
+
+
+def _stored_scores(scores: list[float]) -> str | list[float]:
+    return "".join(str(int(s)) for s in scores) if st.is_binary(scores) else list(scores)
+
+
 def _runs_needed(gate: GateFile) -> list[tuple[str, dict[str, Any], str]]:
     """(label, engine mapping, task) in run order: the gate's engine over every task, then each
     compared configuration over the tasks of its paired checks."""
     out = [("gate", dict(gate.engine), t) for t in gate.tasks]
     for c in gate.checks:
         if isinstance(c, PairedDeltaCheck):
-            label = "against:" + config_key(c.against)
+            label = against_label(c)
             if (label, c.task) not in {(lb, t) for lb, _, t in out}:
                 out.append((label, dict(c.against), c.task))
     return out
 
 
-def _fmt(x: float | None, digits: int = 2) -> str:
-    return "-" if x is None else f"{x:.{digits}f}"
+def _status(checks: list[CheckResult]) -> str:
+    statuses = {c.status for c in checks}
+    return next((s for s in ("failed", "no reference", "recorded") if s in statuses), "passed")
 
 
-def _accuracy(check: AccuracyCheck, res: TaskResult, ref: Reference | None) -> CheckResult:
-    n = len(res.scores)
-    measured = st.mean_points(res.scores)
-    if ref is None:
-        return CheckResult("accuracy", check.task, "no reference", measured,
-                           detail=f"{measured:.2f} measured; no reference for this configuration")
-    sigma = st.score_sigma(ref.score_list())
-    thr = st.threshold(ref.accuracy, sigma, n, check.alpha)
-    mde = st.minimum_detectable_effect(sigma, n, check.alpha)
-    ok = measured >= thr
-    return CheckResult("accuracy", check.task, "passed" if ok else "failed", measured, ref.accuracy,
-                       thr, mde, f"{measured:.2f} vs threshold {thr:.2f} (ref {ref.accuracy:.2f}, "
-                                 f"sigma {sigma:.1f}, n {n}, alpha {check.alpha}; detects a drop of "
-                                 f"{mde:.2f})")
-
-
-def _acceptance(check: AcceptanceCheck, res: TaskResult, ref: Reference | None) -> CheckResult:
-    measured = res.acceptance_length
-    if measured is None:
-        return CheckResult("acceptance_length", check.task, "failed",
-                           detail="no verify step ran: the configuration did not speculate")
-    if ref is None or ref.acceptance_length is None:
-        return CheckResult("acceptance_length", check.task, "no reference", measured,
-                           detail=f"{measured:.3f} measured; no reference for this configuration")
-    floor = st.acceptance_floor(ref.acceptance_length, check.ratio)
-    ok = measured >= floor
-    return CheckResult("acceptance_length", check.task, "passed" if ok else "failed", measured,
-                       ref.acceptance_length, floor, None,
-                       f"{measured:.3f} vs floor {floor:.3f} ({check.ratio} of ref "
-                       f"{ref.acceptance_length:.3f}, never below 1.0; {res.verify_steps} verify steps)")
-
-
-def _paired(check: PairedDeltaCheck, res: TaskResult, other: TaskResult, ref: Reference | None,
-            ref_other: Reference | None) -> CheckResult:
-    n = len(res.scores)
-    measured = st.paired_delta(res.scores, other.scores)
-    flips = sum(a != b for a, b in zip(res.scores, other.scores))
-    if ref is None or ref_other is None:
-        return CheckResult("paired_delta", check.task, "no reference", measured,
-                           detail=f"{measured:+.2f} measured ({flips} of {n} samples differ); no "
-                                  "reference pair for these configurations")
-    rv, ro = ref.score_list(), ref_other.score_list()
-    ref_delta = st.paired_delta(rv, ro)
-    sigma = st.paired_sigma(rv, ro)
-    thr = st.threshold(ref_delta, sigma, n, check.alpha)
-    mde = st.minimum_detectable_effect(sigma, n, check.alpha)
-    ok = measured >= thr
-    return CheckResult("paired_delta", check.task, "passed" if ok else "failed", measured, ref_delta,
-                       thr, mde, f"{measured:+.2f} vs threshold {thr:+.2f} (ref {ref_delta:+.2f}, "
-                                 f"sigma {sigma:.1f}, {flips} of {n} samples differ; detects a drop "
-                                 f"of {mde:.2f})")
+def _family_record(family: Family) -> dict[str, Any]:
+    return {"tier": family.tier, "checks": family.checks, "alpha": family.alpha,
+            "level": family.level}
 
 
 def run_gate(gate: GateFile, target: GateTarget, store: ReferenceStore, *,
-             progress: RunProgress | None = None, record: bool = False,
-             overwrite: bool = False) -> GateResult:
-    """Run one gate (see the module docstring). With ``record`` every configuration run here gets a
-    reference from this run where it has none (``overwrite``: replace it); the caller saves the store."""
+             family: Family | None = None, progress: RunProgress | None = None,
+             record: bool = False, overwrite: bool = False) -> GateResult:
+    """Run one gate (see the module docstring). ``family``: the statistical checks of the gate's tier
+    (gatejudge.tier_families over the gate files), whose share of the tier's family-wise rate each
+    check runs at; None judges the gate as its own family (a gate outside any gate directory).
+    With ``record`` every configuration run here gets a reference from this run where it has none
+    (``overwrite``: replace it); the caller saves the store."""
     reason = target.unavailable()
     if reason:
         return GateResult(gate.gate, gate.tier, "skipped", reason=reason, date=utc_now())
-    t0 = time.perf_counter()
-    ident, arch, sets = target.identity(), target.arch(), target.eval_sets()
-    results: dict[tuple[str, str], TaskResult] = {}
-    resolved: dict[str, dict[str, Any]] = {}
-    records: list[RunRecord] = []
-    for label, engine, task in _runs_needed(gate):
-        run = gate.tasks[task]
-        resolved.setdefault(label, target.resolve_engine(engine))
-        name = f"{gate.gate} / {task} ({label})"
-        cb = (lambda d, t, name=name: progress(name, d, t)) if progress else None
-        res = target.evaluate(engine, run.eval_set, run.samples, cb)
-        results[(label, task)] = res
-        records.append(RunRecord(label, task, run.eval_set, run.samples, resolved[label],
-                                 st.mean_points(res.scores), res.acceptance_length,
-                                 res.verify_steps, res.seconds))
+    family = family or own_family(gate)
+    with gate_threads():
+        env = numeric_platform()
+        t0 = time.perf_counter()
+        ident, arch, sets = target.identity(), target.arch(), target.eval_sets()
+        results: dict[tuple[str, str], TaskResult] = {}
+        resolved: dict[str, dict[str, Any]] = {}
+        records: list[RunRecord] = []
+        for label, engine, task in _runs_needed(gate):
+            run = gate.tasks[task]
+            resolved.setdefault(label, target.resolve_engine(engine))
+            name = f"{gate.gate} / {task} ({label})"
+            cb = (lambda d, t, name=name: progress(name, d, t)) if progress else None
+            res = target.evaluate(engine, run.eval_set, run.samples, cb)
+            results[(label, task)] = res
+            records.append(RunRecord(label, task, run.eval_set, run.samples, resolved[label],
+                                     st.mean_points(res.scores), res.acceptance_length,
+                                     res.verify_steps, res.seconds, sets[run.eval_set].sha256,
+                                     _stored_scores(res.scores), [list(a) for a in res.accepted]))
 
     def ref_of(label: str, task: str) -> Reference | None:
         run = gate.tasks[task]
         return store.find(run.eval_set, sets[run.eval_set].sha256, ident, resolved[label],
                           run.samples)
 
-    checks: list[CheckResult] = []
-    for c in gate.checks:
-        res = results[("gate", c.task)]
-        if isinstance(c, AccuracyCheck):
-            checks.append(_accuracy(c, res, ref_of("gate", c.task)))
-        elif isinstance(c, AcceptanceCheck):
-            checks.append(_acceptance(c, res, ref_of("gate", c.task)))
-        else:
-            label = "against:" + config_key(c.against)
-            checks.append(_paired(c, res, results[(label, c.task)], ref_of("gate", c.task),
-                                  ref_of(label, c.task)))
+    checks = judge(gate, results, ref_of, family)
     recorded: list[str] = []
     if record:
         now = utc_now()
         for (label, task), res in results.items():
             run = gate.tasks[task]
-            scores = res.scores
-            stored = "".join(str(int(s)) for s in scores) if st.is_binary(scores) else list(scores)
             ref = Reference(target=ident, engine=resolved[label], samples=run.samples,
-                            accuracy=st.mean_points(scores), scores=stored,
+                            accuracy=st.mean_points(res.scores), scores=_stored_scores(res.scores),
                             acceptance_length=res.acceptance_length,
                             verify_steps=res.verify_steps or None, seconds=round(res.seconds, 3),
                             arch=arch, recorded=now)
@@ -216,11 +212,38 @@ def run_gate(gate: GateFile, target: GateTarget, store: ReferenceStore, *,
                 recorded.append(f"{task} ({label})")
         checks = [_now_recorded(r) if r.status == "no reference" and _has_refs(c, ref_of) else r
                   for c, r in zip(gate.checks, checks)]
-    statuses = {c.status for c in checks}
-    status = next((s for s in ("failed", "no reference", "recorded") if s in statuses), "passed")
-    return GateResult(gate.gate, gate.tier, status, checks=checks, runs=records,
+    return GateResult(gate.gate, gate.tier, _status(checks), checks=checks, runs=records,
                       seconds=time.perf_counter() - t0, arch=arch, target=ident, date=utc_now(),
-                      recorded=recorded)
+                      recorded=recorded, family=_family_record(family), platform=env,
+                      bitwise=reproduces(checks))
+
+
+def rejudge(result: GateResult, gate: GateFile, store: ReferenceStore,
+            family: Family | None = None) -> GateResult:
+    """``result``'s checks judged again from its stored per-sample scores, under this module's
+    statistics and ``store``'s references, without running the engine. ``ValueError`` when the
+    result holds no scores (written before reports stored them) or lacks a run the gate needs."""
+    family = family or own_family(gate)
+    results: dict[tuple[str, str], TaskResult] = {}
+    for r in result.runs:
+        if r.scores == "" or not r.eval_set_sha256:
+            raise ValueError(f"{result.gate}: its report holds no per-sample scores; re-run it")
+        results[(r.label, r.task)] = r.task_result()
+    needed = {(label, task) for label, _, task in _runs_needed(gate)}
+    missing = sorted(needed - set(results))
+    if missing:
+        raise ValueError(f"{result.gate}: the gate file needs runs its report lacks {missing}; "
+                         "re-run it")
+    runs = {(r.label, r.task): r for r in result.runs}
+
+    def ref_of(label: str, task: str) -> Reference | None:
+        r = runs[(label, task)]
+        return store.find(r.eval_set, r.eval_set_sha256, result.target, r.engine, r.samples)
+
+    checks = judge(gate, results, ref_of, family)
+    return replace(result, status=_status(checks), checks=checks, tier=gate.tier, recorded=[],
+                   statistics=st.STATISTICS_VERSION, family=_family_record(family),
+                   rendered=utc_now(), bitwise=reproduces(checks))
 
 
 def _has_refs(check, ref_of) -> bool:
@@ -228,7 +251,7 @@ def _has_refs(check, ref_of) -> bool:
     if ref_of("gate", check.task) is None:
         return False
     return isinstance(check, (AccuracyCheck, AcceptanceCheck)) or \
-        ref_of("against:" + config_key(check.against), check.task) is not None
+        ref_of(against_label(check), check.task) is not None
 
 
 def _now_recorded(c: CheckResult) -> CheckResult:
@@ -245,8 +268,8 @@ def _now_recorded(c: CheckResult) -> CheckResult:
 Added = list[tuple[str, str, Reference]]   # (eval set, its content hash, reference) a job stored
 
 
-def _run_in_job(gate: GateFile, target_spec: str, references: Path, record: bool,
-                overwrite: bool, events=None) -> tuple[GateResult, Added]:
+def _run_in_job(gate: GateFile, family: Family | None, target_spec: str, references: Path,
+                record: bool, overwrite: bool, events=None) -> tuple[GateResult, Added]:
     """One gate in a worker process: its own target and a store read from disk at the start. The
     references it records are returned for the parent's store, the one that is saved. ``events``
     (a queue shared with the parent) receives (gate, run label, done, total) as the runs advance."""
@@ -264,8 +287,8 @@ def _run_in_job(gate: GateFile, target_spec: str, references: Path, record: bool
     store.add = add  # type: ignore[method-assign]
     progress = None if events is None else \
         (lambda label, done, total: events.put((gate.gate, label, done, total)))
-    result = run_gate(gate, load_target(target_spec), store, progress=progress, record=record,
-                      overwrite=overwrite)
+    result = run_gate(gate, load_target(target_spec), store, family=family, progress=progress,
+                      record=record, overwrite=overwrite)
     return result, added
 
 
@@ -273,7 +296,8 @@ def _run_in_job(gate: GateFile, target_spec: str, references: Path, record: bool
 def _threads_per_job(jobs: int):
     """Each of ``jobs`` processes gets an equal share of the cores (OMP_NUM_THREADS, read by the
     numeric libraries at import), unless the caller set it; oversubscribed BLAS threads cost more
-    than the parallelism gains."""
+    than the parallelism gains. The engine runs themselves are pinned to ``GATE_THREADS`` (run_gate),
+    so this share changes no result."""
     share = str(max(1, (os.cpu_count() or 1) // jobs))
     saved = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "MKL_NUM_THREADS")}
     for k, v in saved.items():
@@ -311,6 +335,7 @@ def _progress_listener(ctx, on_progress: Callable[[str, str, int, int], None] | 
 
 
 def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceStore, jobs: int, *,
+                      families: Mapping[str, Family] | None = None,
                       record: bool = False, overwrite: bool = False,
                       on_result: Callable[[GateResult], None] | None = None,
                       on_error: Callable[[str, BaseException], None] | None = None,
@@ -323,12 +348,15 @@ def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceS
     starts and does not see those another job records in the same run; where two jobs record the
     same configuration, the first to end is kept (``overwrite``: the last). A job that raises is
     reported to ``on_error`` and the others go on. ``on_progress(gate, run label, done, total)`` is
-    called in this process, from a listener thread, as the jobs' engine runs advance."""
+    called in this process, from a listener thread, as the jobs' engine runs advance. ``families``
+    (per tier, from gatejudge.tier_families) is the family each gate's checks are judged in; a tier
+    it lacks judges each of its gates as its own family."""
     results: list[GateResult] = []
     ctx = multiprocessing.get_context("spawn")
     with _threads_per_job(jobs), ProcessPoolExecutor(jobs, mp_context=ctx) as pool, \
             _progress_listener(ctx, on_progress) as events:
-        futures = {pool.submit(_run_in_job, g, target_spec, store.dir, record, overwrite, events): g
+        futures = {pool.submit(_run_in_job, g, (families or {}).get(g.tier), target_spec, store.dir,
+                               record, overwrite, events): g
                    for g in gates}
         for fut in as_completed(futures):
             try:
@@ -346,35 +374,5 @@ def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceS
     return results
 
 
-# ------------------------------------------------------------------------------ reports
-
-
-def write_report(result: GateResult, reports_dir: Path) -> Path:
-    """``<reports>/gates/<gate>.json``: the whole result, and the summary table over every gate's
-    latest report (``summary.md``)."""
-    reports_dir.mkdir(parents=True, exist_ok=True)
-    path = reports_dir / f"{result.gate}.json"
-    path.write_text(json.dumps(asdict(result), indent=1, sort_keys=True) + "\n")
-    write_summary(reports_dir)
-    return path
-
-
-def write_summary(reports_dir: Path) -> Path:
-    rows = []
-    for p in sorted(reports_dir.glob("*.json")):
-        r = json.loads(p.read_text())
-        checks = "; ".join(f"{c['kind']} {c['task']} {c['status']} "
-                           f"({_fmt(c['measured'])} vs {_fmt(c['threshold'])})" for c in r["checks"])
-        cost = f"{r['seconds']:.1f} s on {r['arch']}" if r["status"] != "skipped" else "-"
-        rows.append(f"| `{r['gate']}` | {r['tier']} | {r['status']} | {cost} | {r['date']} | "
-                    f"{checks or r.get('reason', '')} |")
-    out = reports_dir / "summary.md"
-    out.write_text("# Gates: latest results\n\nWritten by `certify gates run`; one row per gate, "
-                   "from `reports/gates/<gate>.json`.\n\n| gate | tier | status | cost | date | "
-                   "checks (measured vs threshold) |\n|---|---|---|---|---|---|\n"
-                   + "\n".join(rows) + "\n")
-    return out
-
-
-__all__ = ["CheckResult", "RunRecord", "GateResult", "run_gate", "run_gates_in_jobs", "write_report",
-           "write_summary"]
+__all__ = ["GATE_THREADS", "RunRecord", "GateResult", "gate_threads", "numeric_platform", "run_gate",
+           "rejudge", "run_gates_in_jobs"]

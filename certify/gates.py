@@ -11,7 +11,11 @@ cell files do; the other files still load.
 References (``[tool.certify] gate_references``, one YAML file per evaluation set) are keyed by the
 configuration that produced them: the target's identity (e.g. its checkpoint's hash), the engine
 configuration as the target resolved it, the evaluation set's content hash and the sample count.
-Gates whose configurations coincide share their references.
+Gates whose configurations coincide share their references. A reference is also checked against
+itself when it loads (``reference_problem``): its per-sample scores are what every check reads, so
+a count that is not its sample count, a score outside 0..1 (a 0 / 1 string holding another
+character) or an accuracy that is not the mean of its scores is an error naming the file, the line
+and the field, and the file's references are not used.
 """
 
 from __future__ import annotations
@@ -229,6 +233,29 @@ def utc_now() -> str:
     return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
+ACCURACY_TOLERANCE = 1e-9   # points: a stored mean differs from the recomputed one by rounding only
+
+
+def reference_problem(ref: Reference) -> tuple[str, str] | None:
+    """(field, message) of the first way ``ref`` contradicts itself, or None."""
+    if isinstance(ref.scores, str):
+        bad = sorted({ch for ch in ref.scores if ch not in "01"})
+        if bad:
+            return "scores", (f"a string of scores holds only 0 and 1, this one also {bad} (at "
+                              f"sample {next(i for i, ch in enumerate(ref.scores) if ch in bad)})")
+    else:
+        bad = [(i, s) for i, s in enumerate(ref.scores) if not 0.0 <= s <= 1.0]
+        if bad:
+            return "scores", f"scores lie in 0..1; sample {bad[0][0]} is {bad[0][1]}"
+    n = len(ref.scores)
+    if n != ref.samples:
+        return "scores", f"{n} scores for {ref.samples} samples"
+    mean = 100.0 * sum(ref.score_list()) / n
+    if abs(mean - ref.accuracy) > ACCURACY_TOLERANCE:
+        return "accuracy", f"{ref.accuracy} is not the mean of its scores ({mean!r} points)"
+    return None
+
+
 class ReferenceStore:
     """The reference files of one directory; ``find`` and ``add`` by key, ``save`` writes them back
     (sorted, so a recorded reference is a readable diff)."""
@@ -251,6 +278,16 @@ class ReferenceStore:
             if ref.eval_set != path.stem:
                 self.errors.append(GateError(path, locate(("eval_set",), lines), "eval_set",
                                              f"{ref.eval_set!r} must match the file name"))
+                continue
+            problems = [(i, p) for i, r in enumerate(ref.references)
+                        if (p := reference_problem(r)) is not None]
+            if problems:
+                i, (name, message) = problems[0]
+                loc = ("references", i, name)
+                more = len(problems) - 1
+                self.errors.append(GateError(path, locate(loc, lines), field_name(loc), message + (
+                    f" (and {more} more reference{'s' if more > 1 else ''} in this file)"
+                    if more else "")))
                 continue
             self.files[ref.eval_set] = ref
 
@@ -300,5 +337,5 @@ class ReferenceStore:
 
 
 __all__ = ["EvalSetInfo", "TaskResult", "GateTarget", "GateSettings", "gate_settings", "load_target",
-           "GateError", "load_gate_file", "Gates", "load_gates", "config_key", "ReferenceStore",
-           "utc_now"]
+           "GateError", "load_gate_file", "Gates", "load_gates", "config_key", "reference_problem",
+           "ReferenceStore", "utc_now"]

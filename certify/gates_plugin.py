@@ -3,7 +3,9 @@ lists like any other test.
 
 - An item is marked with its gate's tier (``premerge`` / ``postmerge`` / ``ondemand``) and runs the
   gate through the target (``[tool.certify] gate_target``); it fails when a check fails or has no
-  reference, listing every check with its threshold.
+  reference, listing every check with its verdict. Its statistical checks run at their share of the
+  tier's family-wise rate, the family being every gate file of the tier (certify.gatejudge), so an
+  item's verdict is the one ``certify gates run`` gives.
 - When the target cannot run gates here (e.g. no trained checkpoint), every item is skipped with the
   target's reason: a gate never passes without having run.
 - A malformed gate file becomes one failing pre-merge item naming the file, the line and the field;
@@ -17,8 +19,17 @@ from pathlib import Path
 
 import pytest
 
+from certify.gatejudge import Family, tier_families
 from certify.gaterun import run_gate
-from certify.gates import GateError, GateTarget, ReferenceStore, gate_settings, load_gate_file, load_target
+from certify.gates import (
+    GateError,
+    GateTarget,
+    ReferenceStore,
+    gate_settings,
+    load_gate_file,
+    load_gates,
+    load_target,
+)
 
 
 @lru_cache(maxsize=None)
@@ -36,6 +47,11 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector):
     if file_path.suffix == ".yaml" and file_path.parent.resolve() == settings.gates.resolve():
         return GateYaml.from_parent(parent, path=file_path)
     return None
+
+
+@lru_cache(maxsize=None)
+def _families(gates_dir: str) -> dict[str, Family]:
+    return tier_families(load_gates(Path(gates_dir)).gates.values())
 
 
 class GateFailure(Exception):
@@ -82,7 +98,8 @@ class GateItem(pytest.Item):
         reason = target.unavailable()
         if reason:
             pytest.skip(reason)
-        result = run_gate(self.gate, target, ReferenceStore(settings.references))
+        result = run_gate(self.gate, target, ReferenceStore(settings.references),
+                          family=_families(str(settings.gates)).get(self.gate.tier))
         if result.status != "passed":
             raise GateFailure(result.summary())
 

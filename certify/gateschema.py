@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from certify.gatestats import ACCEPTANCE_RATIO, ALPHA
+from certify.gatestats import ACCEPTANCE_RATIO
 from certify.schema import Tier
 
 _IDENT = r"^[a-z][a-z0-9_]*$"
@@ -42,11 +42,12 @@ class TaskRun(_Strict):
 
 
 class AccuracyCheck(_Strict):
-    """The task's accuracy is not significantly below its reference (one-sided, ``alpha``)."""
+    """The task's per-sample scores did not get worse than its reference's more often than chance
+    allows (the exact one-sided sign test, McNemar's for 0/1 scores, at the tier's Bonferroni share of
+    its family-wise rate: certify.gatestats)."""
 
     kind: Literal["accuracy"]
     task: str
-    alpha: float = Field(ALPHA, gt=0, lt=0.5)
 
 
 class AcceptanceCheck(_Strict):
@@ -58,15 +59,15 @@ class AcceptanceCheck(_Strict):
 
 
 class PairedDeltaCheck(_Strict):
-    """accuracy(gate engine) - accuracy(``against``) over the same samples in the same run is not
-    significantly below the same delta measured for the reference."""
+    """Per sample, score(gate engine) - score(``against``), both measured in this run, did not fall
+    below the same difference in the references more often than chance allows (the exact one-sided
+    sign test at the tier's share of its family-wise rate: certify.gatestats)."""
 
     kind: Literal["paired_delta"]
     task: str
     against: dict[str, Any] = Field(default_factory=dict, description=(
         "the configuration compared with (the target's engine mapping; {} = its identity "
         "configuration)"))
-    alpha: float = Field(ALPHA, gt=0, lt=0.5)
 
 
 Check = Annotated[Union[AccuracyCheck, AcceptanceCheck, PairedDeltaCheck], Field(discriminator="kind")]

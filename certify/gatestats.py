@@ -1,65 +1,158 @@
-"""The statistics of a gate's checks: one-sided thresholds with their minimum detectable effects.
+"""The statistics of a gate's checks: exact one-sided sign tests on per-sample paired scores, their
+exact false-fail rates and their power, and each tier's family-wise false-fail rate.
 
-A check compares a statistic measured now (a task's accuracy, or a variant's paired accuracy delta
-against the identity configuration) with the same statistic measured when its reference was recorded.
-Both are means of n per-sample scores with standard deviation sigma, so under "no regression" their
-difference is approximately N(0, 2 sigma^2 / n) (a two-sample test, as TensorRT-LLM's accuracy suite
-does it), and the one-sided threshold at false-alarm rate alpha is
+The design they fit. A gate runs a deterministic engine on the same fixed samples its reference was
+measured on, and a reference stores its per-sample scores. So the current run and the reference are
+paired sample by sample, and the only question is whether the samples that changed changed for the
+worse more often than chance allows.
 
-    threshold = ref + Phi^-1(alpha) * sqrt(2 sigma^2 / n)
+- **accuracy**: per sample, the reference's score r_i and this run's s_i. ``worse`` (b) counts the
+  samples with s_i < r_i (right in the reference, wrong now), ``better`` (c) those with s_i > r_i.
+- **paired_delta**: per sample, the variant-minus-comparison difference measured now,
+  d_i = v_i - a_i, and the same difference in the references, e_i = rv_i - ra_i. ``worse`` counts
+  the samples with d_i < e_i (the variant lost ground against the configuration it is compared
+  with), ``better`` those with d_i > e_i. A change both configurations share (drift of the
+  comparison run itself) leaves d_i = e_i and counts as neither: that is what the paired check
+  separates from the accuracy check.
 
-The minimum detectable effect (the regression caught with probability 1 - beta) is
+Both are the one-sided sign test (for 0/1 scores the accuracy test is the exact McNemar test). The
+null hypothesis "no regression" is that this run and the reference run are exchangeable: two
+measurements of the same engine, differing at most by run-to-run noise, samples independent of one
+another. Then, given the m = b + c samples that changed, each changed for the worse with probability
+1/2, so b ~ Binomial(m, 1/2), whatever the per-sample accuracies and noise are. A check fails when
 
-    mde = (Phi^-1(1 - beta) - Phi^-1(alpha)) * sqrt(2 sigma^2 / n)
+    P(B >= b | m) <= level            (the exact one-sided p-value; 1 when b = 0)
 
-With TensorRT-LLM's sigma = 50 (points of 100, a Bernoulli score at p = 0.5): n = 1319 gives
-ref - 3.20, n = 4096 gives ref - 1.82 (mde 2.75 at beta 0.2); tests/framework/test_gatestats.py pins
-them.
+The test is exact (no normal approximation) and conditional, so it holds at any n, however small.
+Its **false-fail rate** is the exact size: the largest probability, over every null distribution of
+the discordant count m <= n, that it fails, which is max over m <= n of P(B >= k*(m) | m) with k*(m)
+the smallest failing b. Being discrete, it attains at most ``level`` and usually less; that attained
+value is what a check states. A deterministic engine that reproduces its reference exactly has no
+changed samples (m = 0, p = 1) and passes: a correct verdict, not a gap, since nothing changed.
 
-sigma comes from the reference's own measurement. For scores of 0 or 1, sigma = 100 sqrt(p (1 - p))
-with p estimated as (correct + 1/2) / (n + 1): a reference that got every sample right (or wrong) would
-otherwise have sigma 0 and a threshold with no slack at all, where a single lost sample is no evidence
-of a regression (with n = 40 and 40 right, the threshold is 95.97: one miss passes, two fail).
-For a paired delta d_i = variant_i - identity_i (each -100, 0 or 100), sigma^2 <= E[d^2] = 100^2 m / n
-with m the pairs that disagree; the same half-count keeps it above 0.
+**Power** is stated against one named regression: every sample the reference got right (for a
+paired check, every sample the reference's variant got right) turns wrong independently with
+probability ``REGRESSION_FLIP`` and nothing else changes. Then c = 0, b ~ Binomial(n_right, flip), and
+the check fails exactly when b >= k, the fewest flipped samples it catches (2^-k <= level), so
+power = P(Binomial(n_right, flip) >= k), computed exactly with scipy.stats.binom. Each check also
+states k itself: any regression that flips k reference-right samples and nothing else fails it.
+
+**Family-wise rate per tier.** Every tier (premerge, postmerge, ondemand) holds its family-wise
+false-fail rate at ``FAMILY_ALPHA`` by an equal Bonferroni split over all statistical checks of the
+tier's gates: each check's level is FAMILY_ALPHA / (statistical checks in the tier). Bonferroni rather
+than Holm because a gate is judged on its own (one pytest item, one worker process): Holm's step-down
+needs every p-value of the tier before any verdict, Bonferroni's share is known from the gate files
+alone, and it holds under any dependence between checks (checks of one gate share its engine runs,
+gates share references). The tier's stated rate is the sum of its checks' exact sizes, the union
+bound, which is at most FAMILY_ALPHA.
+
+**acceptance_length** is not a statistical test: a deterministic floor (``ACCEPTANCE_RATIO`` of the
+reference's acceptance length, never below 1.0) with no statistical error rate; it is not part of a
+tier's family.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
-from scipy.special import ndtri
+import numpy as np
+from scipy.stats import binom
 
-ALPHA = 0.05
-BETA = 0.2
+STATISTICS = "exact sign test (McNemar), Bonferroni per tier"  # what a report's checks were judged by
+STATISTICS_VERSION = 2     # 1 was the two-sample normal approximation; reports record the version
+FAMILY_ALPHA = 0.05        # each tier's family-wise false-fail rate is at most this
+REGRESSION_FLIP = 0.25     # the named regression: each reference-right sample turns wrong w.p. 0.25
 ACCEPTANCE_RATIO = 0.95
+STATISTICAL_KINDS = ("accuracy", "paired_delta")
 
 
-def z(p: float) -> float:
-    """Phi^-1(p), the standard normal quantile."""
-    if not 0.0 < p < 1.0:
-        raise ValueError(f"a probability strictly between 0 and 1 is needed, got {p}")
-    return float(ndtri(p))
+def check_level(family_checks: int, family_alpha: float = FAMILY_ALPHA) -> float:
+    """The level of one check: its equal Bonferroni share of the tier's family-wise rate."""
+    if family_checks < 1:
+        raise ValueError(f"a family needs at least one check, got {family_checks}")
+    if not 0.0 < family_alpha < 1.0:
+        raise ValueError(f"the family-wise rate must lie in (0, 1), got {family_alpha}")
+    return family_alpha / family_checks
 
 
-def standard_error(sigma: float, n: int) -> float:
-    """sqrt(2 sigma^2 / n): the spread of the difference of two n-sample means."""
-    if n < 1:
-        raise ValueError("n must be >= 1")
-    if sigma < 0:
-        raise ValueError("sigma must be >= 0")
-    return math.sqrt(2.0 * sigma * sigma / n)
+def sign_counts(before: Sequence[float], after: Sequence[float]) -> tuple[int, int]:
+    """(worse, better): the samples with after_i < before_i and with after_i > before_i."""
+    if len(before) != len(after):
+        raise ValueError(f"paired scores need the same number of samples, got {len(before)} and "
+                         f"{len(after)}")
+    worse = sum(1 for x, y in zip(before, after) if y < x)
+    better = sum(1 for x, y in zip(before, after) if y > x)
+    return worse, better
 
 
-def threshold(ref: float, sigma: float, n: int, alpha: float = ALPHA) -> float:
-    """The lowest value that still passes: ref + Phi^-1(alpha) sqrt(2 sigma^2 / n)."""
-    return ref + z(alpha) * standard_error(sigma, n)
+def differences(variant: Sequence[float], other: Sequence[float]) -> list[float]:
+    """Per sample, variant_i - other_i (a paired check's per-sample delta)."""
+    if len(variant) != len(other) or not variant:
+        raise ValueError("paired scores need the same, non-zero number of samples")
+    return [a - b for a, b in zip(variant, other)]
 
 
-def minimum_detectable_effect(sigma: float, n: int, alpha: float = ALPHA, beta: float = BETA) -> float:
-    """(Phi^-1(1 - beta) - Phi^-1(alpha)) sqrt(2 sigma^2 / n): the drop caught with power 1 - beta."""
-    return (z(1.0 - beta) - z(alpha)) * standard_error(sigma, n)
+def sign_p_value(worse: int, better: int) -> float:
+    """P(B >= worse) for B ~ Binomial(worse + better, 1/2): the exact one-sided p-value (1 when
+    nothing got worse, including when nothing changed)."""
+    if worse < 0 or better < 0:
+        raise ValueError("counts must be >= 0")
+    if worse == 0:
+        return 1.0
+    return float(binom.sf(worse - 1, worse + better, 0.5))
+
+
+def fails(worse: int, better: int, level: float) -> bool:
+    """The verdict of the sign test at ``level``."""
+    return sign_p_value(worse, better) <= level
+
+
+def critical_worse(m: int, level: float) -> int | None:
+    """k*(m): the fewest ``worse`` among m changed samples that fail at ``level`` (None: none do)."""
+    if m < 0:
+        raise ValueError("m must be >= 0")
+    tails = binom.sf(np.arange(m + 1) - 1, m, 0.5)        # P(B >= k), k = 0..m
+    failing = np.nonzero(tails[1:] <= level)[0]
+    return int(failing[0]) + 1 if failing.size else None
+
+
+def conditional_size(m: int, level: float) -> float:
+    """P(fail | m changed samples) under the null: P(B >= k*(m)), 0 where no count fails."""
+    k = critical_worse(m, level)
+    return 0.0 if k is None else float(binom.sf(k - 1, m, 0.5))
+
+
+def false_fail_rate(n: int, level: float) -> float:
+    """The exact size of the check over n samples: max over m <= n of the conditional size (at most
+    ``level``; the discreteness of the test makes it smaller)."""
+    if n < 0:
+        raise ValueError("n must be >= 0")
+    return max(conditional_size(m, level) for m in range(n + 1))
+
+
+def fewest_caught(level: float) -> int:
+    """The fewest reference-right samples turned wrong (nothing else changed) that fail the check:
+    the smallest k with 2^-k <= level."""
+    if not 0.0 < level < 1.0:
+        raise ValueError(f"a level in (0, 1) is needed, got {level}")
+    k = 1
+    while sign_p_value(k, 0) > level:
+        k += 1
+    return k
+
+
+def power(n_right: int, level: float, flip: float = REGRESSION_FLIP) -> float:
+    """P(fail) under the named regression: each of the n_right reference-right samples turns wrong
+    independently with probability ``flip``, nothing else changes (module docstring)."""
+    if n_right < 0 or not 0.0 <= flip <= 1.0:
+        raise ValueError(f"need n_right >= 0 and flip in [0, 1], got {n_right}, {flip}")
+    return float(binom.sf(fewest_caught(level) - 1, n_right, flip))
+
+
+def tier_false_fail_rate(sizes: Sequence[float]) -> float:
+    """A tier's family-wise false-fail rate: at most the sum of its checks' exact sizes (the union
+    bound, valid under any dependence between them)."""
+    return min(1.0, float(sum(sizes)))
 
 
 def is_binary(scores: Sequence[float]) -> bool:
@@ -73,38 +166,9 @@ def mean_points(scores: Sequence[float]) -> float:
     return 100.0 * sum(scores) / len(scores)
 
 
-def bernoulli_sigma(correct: float, n: int) -> float:
-    """100 sqrt(p (1 - p)) at p = (correct + 1/2) / (n + 1) (see the module docstring)."""
-    if n < 1 or not 0 <= correct <= n:
-        raise ValueError(f"need 0 <= correct <= n and n >= 1, got {correct} of {n}")
-    p = (correct + 0.5) / (n + 1)
-    return 100.0 * math.sqrt(p * (1.0 - p))
-
-
-def score_sigma(scores: Sequence[float]) -> float:
-    """sigma of per-sample scores in points: Bernoulli with the half count for 0/1 scores, else the
-    sample standard deviation, never below the Bernoulli sigma of one half-count in n (a constant
-    score would otherwise leave no slack)."""
-    n = len(scores)
-    if is_binary(scores):
-        return bernoulli_sigma(sum(scores), n)
-    m = sum(scores) / n
-    sd = math.sqrt(sum((s - m) ** 2 for s in scores) / max(n - 1, 1))
-    return max(100.0 * sd, bernoulli_sigma(0, n))
-
-
-def paired_sigma(variant: Sequence[float], identity: Sequence[float]) -> float:
-    """sigma of the paired differences d_i = variant_i - identity_i, in points (module docstring)."""
-    if len(variant) != len(identity) or not variant:
-        raise ValueError("paired scores need the same, non-zero number of samples")
-    n = len(variant)
-    second_moment = sum((a - b) ** 2 for a, b in zip(variant, identity))
-    return 100.0 * math.sqrt((second_moment + 0.5) / (n + 1))
-
-
-def paired_delta(variant: Sequence[float], identity: Sequence[float]) -> float:
-    """mean(variant_i - identity_i) in points."""
-    return mean_points(variant) - mean_points(identity)
+def paired_delta(variant: Sequence[float], other: Sequence[float]) -> float:
+    """mean(variant_i - other_i) in points."""
+    return mean_points(variant) - mean_points(other)
 
 
 def acceptance_floor(ref: float, ratio: float = ACCEPTANCE_RATIO) -> float:
@@ -115,6 +179,7 @@ def acceptance_floor(ref: float, ratio: float = ACCEPTANCE_RATIO) -> float:
     return max(1.0, ratio * ref)
 
 
-__all__ = ["ALPHA", "BETA", "ACCEPTANCE_RATIO", "z", "standard_error", "threshold",
-           "minimum_detectable_effect", "is_binary", "mean_points", "bernoulli_sigma",
-           "score_sigma", "paired_sigma", "paired_delta", "acceptance_floor"]
+__all__ = ["STATISTICS", "STATISTICS_VERSION", "FAMILY_ALPHA", "REGRESSION_FLIP", "ACCEPTANCE_RATIO",
+           "STATISTICAL_KINDS", "check_level", "sign_counts", "differences", "sign_p_value", "fails",
+           "critical_worse", "conditional_size", "false_fail_rate", "fewest_caught", "power",
+           "tier_false_fail_rate", "is_binary", "mean_points", "paired_delta", "acceptance_floor"]

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from certify.gaterun import run_gate, write_report
+from certify.gatejudge import Family, tier_families, tier_rate
+from certify.gatereport import load_report, render, write_report
+from certify.gaterun import GATE_THREADS, rejudge, run_gate
 from certify.gates import (
     EvalSetInfo,
     GateError,
@@ -25,6 +27,7 @@ from certify.gates import (
     load_target,
 )
 from certify.gateschema import GateFile
+from certify.gatestats import FAMILY_ALPHA, power
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -145,9 +148,17 @@ def test_no_reference_is_not_a_pass_and_record_then_run_passes(tmp_path):
     again = run_gate(_gate(), FakeTarget(), ReferenceStore(tmp_path / "refs"))
     assert again.status == "passed", again.summary()
     acc, al, paired = again.checks
-    assert acc.reference == pytest.approx(90.0) and acc.threshold < 90.0 and acc.mde > 0
+    # a deterministic target reproduces its references: no sample changed, p = 1, a pass
+    assert acc.reference == pytest.approx(90.0) and (acc.worse, acc.better, acc.p_value) == (0, 0, 1)
+    assert "reproduces the reference" in acc.detail
     assert al.measured == pytest.approx(2.5) and al.threshold == pytest.approx(0.95 * 2.5)
-    assert paired.measured == 0 and paired.threshold < 0
+    assert "no statistical error rate" in al.detail and al.false_fail_rate is None
+    assert paired.measured == 0 and (paired.worse, paired.better) == (0, 0)
+    # the gate alone is its family: two statistical checks share alpha
+    assert acc.level == paired.level == pytest.approx(FAMILY_ALPHA / 2)
+    assert 0 < acc.false_fail_rate <= acc.level and acc.caught_flips == 6
+    assert acc.power == pytest.approx(power(36, FAMILY_ALPHA / 2))
+    assert again.bitwise is True and first.bitwise is None
 
 
 def test_a_regression_fails_its_checks(tmp_path):
@@ -392,3 +403,215 @@ def test_gate_jobs_report_each_run_progress_to_the_parent(tmp_path):
         done = [d for d, _ in seen]
         assert done == sorted(done) and done[-1] == seen[-1][1], (key, seen)
         assert done == sequential[key], key
+
+
+class Flips(FakeTarget):
+    """The fake target with its first ``flips`` right samples wrong in every configuration (a change
+    the gate's engine and the identity share)."""
+
+    flips = 6
+
+    def evaluate(self, engine, eval_set, samples, progress=None):
+        res = super().evaluate(engine, eval_set, samples, progress)
+        right = [i for i, s in enumerate(res.scores) if s == 1.0][:self.flips]
+        return TaskResult([0.0 if i in right else s for i, s in enumerate(res.scores)],
+                          res.accepted, res.seconds)
+
+
+def _recorded(tmp_path) -> Path:
+    store = ReferenceStore(tmp_path / "refs")
+    run_gate(_gate(), FakeTarget(), store, record=True)
+    store.save()
+    return tmp_path / "refs"
+
+
+def test_the_level_is_the_tiers_share_and_a_shared_change_is_not_the_variants(tmp_path):
+    """Six reference-right samples lost: p = 2^-6 fails a check at 0.05 / 2 and passes one at
+    0.05 / 4; the paired check sees the identity lose the same six and stays quiet."""
+    refs = _recorded(tmp_path)
+    alone = run_gate(_gate(), Flips(), ReferenceStore(refs), family=Family("premerge", 2))
+    acc, _, paired = alone.checks
+    assert (acc.worse, acc.better, acc.status) == (6, 0, "failed"), alone.summary()
+    assert acc.p_value == pytest.approx(2.0 ** -6) and acc.level == pytest.approx(0.025)
+    assert (paired.worse, paired.better, paired.status) == (0, 0, "passed")
+    assert alone.bitwise is False
+    wider = run_gate(_gate(), Flips(), ReferenceStore(refs), family=Family("premerge", 4))
+    assert wider.checks[0].status == "passed" and wider.status == "passed", wider.summary()
+    assert wider.family == {"tier": "premerge", "checks": 4, "alpha": FAMILY_ALPHA,
+                            "level": pytest.approx(0.0125)}
+
+
+def test_tier_families_count_every_statistical_check_of_a_tier():
+    post = _gate("p", GATE.replace("tier: premerge", "tier: postmerge"))
+    families = tier_families([_gate("a"), _gate("b"), post])
+    assert families["premerge"].checks == 4 and families["postmerge"].checks == 2
+    assert families["premerge"].level == pytest.approx(FAMILY_ALPHA / 4)
+
+
+def test_the_project_tiers_hold_their_family_wise_rate():
+    gates = load_gates(gate_settings(str(ROOT)).gates).gates.values()
+    families = tier_families(gates)
+    assert set(families) == {"premerge", "postmerge", "ondemand"}
+    for fam in families.values():
+        assert 0 < tier_rate(gates, fam) <= fam.alpha, fam
+
+
+def test_a_stored_report_is_rejudged_without_the_engine(tmp_path):
+    refs = _recorded(tmp_path)
+    target = Flips()
+    first = run_gate(_gate(), target, ReferenceStore(refs), family=Family("premerge", 4))
+    assert first.status == "passed"
+    path = write_report(first, tmp_path / "gates")
+    stored, _ = load_report(path)
+    assert stored.runs[0].scores == "".join("0" if i < 6 or i % 10 == 9 else "1" for i in range(40))
+    runs = len(target.runs)
+    again = rejudge(stored, _gate(), ReferenceStore(refs), Family("premerge", 4))
+    assert [(c.kind, c.status, c.worse, c.p_value) for c in again.checks] == \
+        [(c.kind, c.status, c.worse, c.p_value) for c in first.checks]
+    stricter = rejudge(stored, _gate(), ReferenceStore(refs), Family("premerge", 2))
+    assert stricter.status == "failed" and stricter.rendered and len(target.runs) == runs
+    assert stricter.date == first.date          # the run's own date stays; ``rendered`` is new
+
+
+def test_render_rewrites_reports_with_scores_and_leaves_older_ones(tmp_path):
+    refs = _recorded(tmp_path)
+    reports = tmp_path / "gates"
+    write_report(run_gate(_gate(), Flips(), ReferenceStore(refs), family=Family("premerge", 4)),
+                 reports)
+    old = {"gate": "old", "tier": "premerge", "status": "passed", "seconds": 1.0, "arch": "cpu",
+           "date": "2026-01-01T00:00:00Z", "target": {}, "reason": "", "recorded": [],
+           "runs": [{"label": "gate", "task": "easy", "eval_set": "easy", "samples": 40,
+                     "engine": {}, "accuracy": 90.0, "acceptance_length": None, "verify_steps": 0,
+                     "seconds": 1.0}],
+           "checks": [{"kind": "accuracy", "task": "easy", "status": "passed", "measured": 90.0,
+                       "reference": 90.0, "threshold": 85.1, "mde": 7.0, "detail": ""}]}
+    (reports / "old.json").write_text(json.dumps(old))
+    gates = {"g": _gate(), "old": _gate("old")}
+    done, left = render(reports, gates, ReferenceStore(refs), {"premerge": Family("premerge", 2)})
+    assert done == ["g"] and len(left) == 1 and "no per-sample scores" in left[0]
+    assert json.loads((reports / "g.json").read_text())["status"] == "failed"
+    summary = (reports / "summary.md").read_text()
+    assert "| premerge | 0.05 | 4 | 0.0125 |" in summary           # the tier, from the gate files
+    assert "| `old` | premerge | passed |" in summary and "v1 threshold 85.10" in summary
+    assert "not stated (v1)" in summary
+    row = next(r for r in summary.splitlines() if r.startswith("| `g` | accuracy easy"))
+    assert "| failed |" in row and "6 / 0 of 40" in row and "p 0.01562 <= 0.025" in row
+
+
+class Threads(FakeTarget):
+    """Reports, as its acceptance, the intra-op thread count its evaluation ran at."""
+
+    def evaluate(self, engine, eval_set, samples, progress=None):
+        import torch
+        res = super().evaluate(engine, eval_set, samples, progress)
+        return TaskResult(res.scores, [[torch.get_num_threads()]] * samples, res.seconds)
+
+
+def test_gate_runs_use_the_fixed_thread_count_and_record_the_platform(tmp_path):
+    import torch
+    before = torch.get_num_threads()
+    res = run_gate(_gate(), Threads(), ReferenceStore(tmp_path))
+    assert {r.acceptance_length for r in res.runs} == {float(GATE_THREADS)}
+    assert torch.get_num_threads() == before
+    p = res.platform
+    assert p["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    assert p["threads"] == GATE_THREADS and p["torch"] == torch.__version__
+    assert set(p["settings"]) >= {"ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA"}
+
+
+def test_gate_jobs_run_at_the_same_thread_count_as_one_process(tmp_path):
+    from certify.gaterun import run_gates_in_jobs
+    results = run_gates_in_jobs(_three_gates(), f"{Threads.__module__}:Threads",
+                                ReferenceStore(tmp_path), 2)
+    assert {r.acceptance_length for res in results for r in res.runs} == {float(GATE_THREADS)}
+    assert {res.platform["threads"] for res in results} == {GATE_THREADS}
+
+
+REFERENCE = textwrap.dedent("""\
+    eval_set: easy
+    sha256: eeee
+    references:
+    - accuracy: 75.0
+      arch: cpu
+      engine: {draft: 0, storage: exact}
+      recorded: '2026-01-01T00:00:00Z'
+      samples: 4
+      scores: '1101'
+      seconds: 1.0
+      target: {weights: w1}
+    - accuracy: 50.0
+      arch: cpu
+      engine: {draft: 2, storage: exact}
+      recorded: '2026-01-01T00:00:00Z'
+      samples: 2
+      scores: [1.0, 0.0]
+      seconds: 1.0
+      target: {weights: w1}
+    """)
+
+
+def test_a_consistent_reference_file_loads(tmp_path):
+    (tmp_path / "easy.yaml").write_text(REFERENCE)
+    store = ReferenceStore(tmp_path)
+    assert store.errors == [] and len(store.files["easy"].references) == 2
+
+
+@pytest.mark.parametrize("edit, line, field, words", [
+    (lambda t: t.replace("accuracy: 75.0", "accuracy: 80.0"), 4, "references[0].accuracy",
+     "not the mean of its scores"),
+    (lambda t: t.replace("scores: '1101'", "scores: '11010'"), 9, "references[0].scores",
+     "5 scores for 4 samples"),
+    (lambda t: t.replace("samples: 2", "samples: 3"), 17, "references[1].scores",
+     "2 scores for 3 samples"),
+    (lambda t: t.replace("scores: '1101'", "scores: '1121'"), 9, "references[0].scores",
+     "only 0 and 1"),
+    (lambda t: t.replace("scores: [1.0, 0.0]", "scores: [1.5, 0.0]"), 17, "references[1].scores",
+     "sample 0 is 1.5"),
+])
+def test_a_reference_that_contradicts_itself_names_file_line_and_field(tmp_path, edit, line, field,
+                                                                        words):
+    path = tmp_path / "easy.yaml"
+    path.write_text(edit(REFERENCE))
+    assert path.read_text() != REFERENCE
+    store = ReferenceStore(tmp_path)
+    assert len(store.errors) == 1 and "easy" not in store.files
+    err = store.errors[0]
+    assert (err.file, err.line, err.field) == (path, line, field), str(err)
+    assert words in err.message
+
+
+def test_gates_check_reports_an_inconsistent_reference(tmp_path):
+    """``certify gates check`` in a project of the fake target exits 1 naming the reference."""
+    (tmp_path / "pyproject.toml").write_text(
+        f'[tool.certify]\ngate_target = "{FakeTarget.__module__}:FakeTarget"\n')
+    gates = tmp_path / "certify" / "gates"
+    (gates / "references").mkdir(parents=True)
+    (gates / "g.yaml").write_text(GATE.format(name="g"))
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT)}
+
+    def check():
+        return subprocess.run([sys.executable, "-m", "certify.cli", "gates", "check"], cwd=tmp_path,
+                              env=env, capture_output=True, text=True, timeout=300)
+
+    (gates / "references" / "easy.yaml").write_text(REFERENCE)
+    good = check()
+    assert good.returncode == 0, good.stdout + good.stderr
+    (gates / "references" / "easy.yaml").write_text(REFERENCE.replace("accuracy: 75.0",
+                                                                      "accuracy: 80.0"))
+    bad = check()
+    assert bad.returncode == 1
+    assert "easy.yaml:4: references[0].accuracy: 80.0 is not the mean" in bad.stdout, bad.stdout
+
+
+def test_the_platform_records_the_capability_torch_dispatched_to():
+    """Under ATEN_CPU_CAPABILITY=default torch dispatches to its baseline kernels, and the record
+    says so beside the settings as given."""
+    code = "import json; from certify.gaterun import numeric_platform; print(json.dumps(numeric_platform()))"
+    env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "default",
+           "ONEDNN_MAX_CPU_ISA": "SSE41"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, check=True)
+    p = json.loads(out.stdout)
+    assert p["cpu_capability"] == "DEFAULT"
+    assert p["settings"]["ATEN_CPU_CAPABILITY"] == "default"
+    assert p["settings"]["ONEDNN_MAX_CPU_ISA"] == "SSE41"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from certify.gatejudge import tier_families
 from certify.gaterun import run_gate
 from certify.gates import ReferenceStore, gate_settings, load_gates
 from impl.gates.target import TARGET
@@ -26,7 +27,9 @@ pytestmark = [pytest.mark.postmerge,
 @pytest.mark.parametrize("bug", sorted(BUGS))
 def test_each_planted_bug_fails_its_gate(bug):
     settings = gate_settings()
-    gate = load_gates(settings.gates, TARGET).gates[CATCHES[bug]]
+    gates = load_gates(settings.gates, TARGET).gates
+    gate = gates[CATCHES[bug]]
+    family = tier_families(gates.values())[gate.tier]     # the level the gate item runs at
     with BUGS[bug]():
-        result = run_gate(gate, TARGET, ReferenceStore(settings.references))
+        result = run_gate(gate, TARGET, ReferenceStore(settings.references), family=family)
     assert result.status == "failed", result.summary()

@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from certify.gaterun import run_gate, write_report
+from certify.gatereport import write_report
+from certify.gaterun import run_gate
 from certify.gates import ReferenceStore
 from certify.gateschema import GateFile
 from impl.gates.target import FlashNextGates, answer_steps
