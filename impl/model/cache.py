@@ -7,7 +7,8 @@
   pages are taken when a step first writes a block and returned when the request finishes. Every QSA
   layer (and the MTP draft layer) has its own pools indexed by the same page: K and V (bf16, fp8, or
   nvfp4 codes + e4m3 scales), the index plane and block keys (activation dtype), the position plane and
-  the block-key valid flags (host side, as spec/ops/qsa.py reads them).
+  the block-key valid flags (on the pools' device; on the host when the pools are meta tensors, as
+  the reach tracer's shape-only ops read them).
 - A page is **scrubbed** when it is given to a request: positions -1, block key invalid, floating
   slots NaN (so a read of a slot this request never wrote poisons the result instead of reading the
   previous owner's data).
@@ -54,57 +55,51 @@ def new_planes(cfg: ModelConfig, num_pages: int, act: torch.dtype, kv_dtype: str
         return pool(dh, kv_pool_dtype(kv_dtype, act))
 
     nan = float("nan")
+    # The position plane and the block-key flags live with the pools; over meta pools (the reach
+    # tracer) they stay on the host, where the shape-only ops read them as values.
+    flags = torch.device("cpu") if torch.device(device).type == "meta" else device
     return QsaPlanes(
         k_cache=kv(), v_cache=kv(),
-        pos_plane=torch.full((num_pages, PAGE), -1, dtype=torch.int32),
+        pos_plane=torch.full((num_pages, PAGE), -1, dtype=torch.int32, device=flags),
         index_plane=torch.full((num_pages, PAGE, di), nan, dtype=act, device=device),
         block_keys=torch.full((num_pages, di), nan, dtype=act, device=device),
-        block_key_valid=torch.zeros(num_pages, dtype=torch.bool))
+        block_key_valid=torch.zeros(num_pages, dtype=torch.bool, device=flags))
 
 
-def scrub_pages(planes: QsaPlanes, pages: list[int]) -> QsaPlanes:
-    """Return planes whose ``pages`` hold nothing: positions -1, keys invalid, floats NaN."""
+def scrub_pages(planes: QsaPlanes, pages: list[int]) -> None:
+    """Empty ``pages`` of every plane, in place: positions -1, keys invalid, floats NaN. Only those
+    pages are written, so taking a page costs a page, not the pools' size."""
     if not pages:
-        return planes
-    idx = torch.tensor(pages, dtype=torch.long)
+        return
 
     def poison(pool):
         if isinstance(pool, tuple):
-            return tuple(poison(p) for p in pool)
-        pool = pool.clone()
-        dev_idx = idx.to(pool.device)
-        if pool.dtype == torch.uint8:
-            pool[dev_idx] = 0
-        else:
-            pool[dev_idx] = torch.tensor(float("nan"), device=pool.device).to(pool.dtype)
-        return pool
+            for p in pool:
+                poison(p)
+            return
+        idx = torch.tensor(pages, dtype=torch.long, device=pool.device)
+        fill = 0 if pool.dtype == torch.uint8 else float("nan")
+        pool[idx] = torch.tensor(fill, device=pool.device).to(pool.dtype)
 
-    pos = planes.pos_plane.clone()
-    pos[idx] = -1
-    valid = planes.block_key_valid.clone()
-    valid[idx] = False
-    return QsaPlanes(poison(planes.k_cache), poison(planes.v_cache), pos,
-                     poison(planes.index_plane), poison(planes.block_keys), valid)
+    for pool in (planes.k_cache, planes.v_cache, planes.index_plane, planes.block_keys):
+        poison(pool)
+    planes.pos_plane.index_fill_(0, torch.tensor(pages, device=planes.pos_plane.device), -1)
+    planes.block_key_valid.index_fill_(
+        0, torch.tensor(pages, device=planes.block_key_valid.device), False)
 
 
-def truncate_planes(planes: QsaPlanes, block_table_row: torch.Tensor, keep: int, upto: int
-                    ) -> QsaPlanes:
-    """Forget tokens ``keep .. upto - 1`` of one request (rollback): their positions become -1 and the
-    key of every block that loses a token is removed (MATH.md, "Rollback / commit"). The K / V and
-    index slots keep their bytes: no row reads a position it has not stored."""
-    if upto <= keep:
-        return planes
-    pos = planes.pos_plane.clone()
-    valid = planes.block_key_valid.clone()
-    for b in range(keep // PAGE, (upto - 1) // PAGE + 1):
+def truncate_planes(planes: QsaPlanes, block_table_row: torch.Tensor, keep: int, upto: int) -> None:
+    """Forget tokens ``keep .. upto - 1`` of one request (rollback), in place: their positions become
+    -1 and the key of every block that loses a token is removed (MATH.md, "Rollback / commit"). The
+    K / V and index slots keep their bytes: no row reads a position it has not stored."""
+    for b in range(keep // PAGE, (upto - 1) // PAGE + 1) if upto > keep else ():
         page = int(block_table_row[b])
         if page < 0:
             continue
         lo = max(keep - b * PAGE, 0)
         hi = min(upto - b * PAGE, PAGE)
-        pos[page, lo:hi] = -1
-        valid[page] = False
-    return planes._replace(pos_plane=pos, block_key_valid=valid)
+        planes.pos_plane[page, lo:hi] = -1
+        planes.block_key_valid[page] = False
 
 
 class OutOfPages(RuntimeError):
@@ -221,9 +216,9 @@ class EngineCache:
         taken = self.pages.ensure(slot, length)
         if taken:
             for i in self.qsa_indices():
-                self.layers[i] = scrub_pages(self.layers[i], taken)
+                scrub_pages(self.layers[i], taken)
             if self.mtp is not None:
-                self.mtp = scrub_pages(self.mtp, taken)
+                scrub_pages(self.mtp, taken)
 
     def release(self, slot: int) -> None:
         self.pages.release(slot)

@@ -39,6 +39,14 @@ class OpCall:
         return {"op": self.op, "variant": self.variant, "axes": dict(self.axes)}
 
 
+# Certification entries that copy whole planes into fresh outputs (the harness's convention), and the
+# in-place core each wraps, which the engine calls on its own planes: what a step writes is its rows.
+IN_PLACE_CORES: dict[str, str] = {
+    "impl.kernels.qsa.triton_append:qsa_kv_append": "impl.kernels.qsa.triton_append:kv_append",
+    "impl.kernels.qsa.triton_index:qsa_index_store": "impl.kernels.qsa.triton_index:index_store",
+}
+
+
 class DispatchError(RuntimeError):
     """No variant of an op can run a call (unknown op, no variant on the arch, no rule accepts)."""
 
@@ -104,6 +112,16 @@ class Dispatcher:
         if key not in self._impls:
             self._impls[key] = resolve(variant.impl)
         return self._impls[key]
+
+    def core(self, impl: Callable) -> Callable:
+        """The in-place core of a kernel variant whose certification entry writes whole-plane
+        outputs (``IN_PLACE_CORES``): the same kernels on the engine's own planes."""
+        path = f"{impl.__module__}:{impl.__name__}"
+        try:
+            return resolve(IN_PLACE_CORES[path])
+        except KeyError:
+            raise DispatchError(f"{path} writes whole-plane outputs and names no in-place core in "
+                                f"IN_PLACE_CORES") from None
 
     def variants_ran(self) -> dict[str, list[str]]:
         """op -> the variants that ran (sorted), over this dispatcher's life."""

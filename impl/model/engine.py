@@ -390,9 +390,8 @@ class Engine:
             keep = sp.start + int(num_accepted[r])
             self.cache.ple_history[slot] = hist["h"][r]
             for li in self.cache.qsa_indices():
-                self.cache.layers[li] = truncate_planes(self.cache.layers[li],
-                                                        self.cache.pages.block_table[slot], keep,
-                                                        sp.start + sp.rows)
+                truncate_planes(self.cache.layers[li], self.cache.pages.block_table[slot], keep,
+                                sp.start + sp.rows)
             self.cache.lengths[slot] = keep
 
     def _draft(self, items: list[tuple[Sequence, Span, list[int]]], trunk: StepOutput) -> None:
@@ -406,8 +405,8 @@ class Engine:
             slot = seq.slot
             # Roll back the previous round's speculative draft rows (positions >= the trunk's start).
             if cache.mtp_lengths[slot] > sp.start:
-                cache.mtp = truncate_planes(cache.mtp, cache.pages.block_table[slot], sp.start,
-                                            cache.mtp_lengths[slot])
+                truncate_planes(cache.mtp, cache.pages.block_table[slot], sp.start,
+                                cache.mtp_lengths[slot])
                 cache.mtp_lengths[slot] = sp.start
             n = sp.hi - sp.lo
             spans.append(Span(slot, row, row + n, sp.start, "prefill"))

@@ -136,12 +136,12 @@ class Model:
         return ops.hc_up_projection(X, y, coef.h_res, coef.h_post)
 
     def _layer(self, X, lw: LayerWeights, li: int | None, e_l, cache: EngineCache, rows: StepRows,
-               record: VerifyRecord | None, planes_get, planes_set, selection=None):
+               record: VerifyRecord | None, planes: QsaPlanes | None, selection=None):
         def mixer(u):
             if lw.kind == "gdn":
                 y = self._gdn(u, lw.mixer, cache.layers[li], li, rows, record)
             else:
-                y = self._qsa(u, lw.mixer, cache, rows, planes_get, planes_set, selection)
+                y = self._qsa(u, lw.mixer, cache, rows, planes, selection)
             if lw.ple is not None:
                 y = self.ops.ple_apply(y, e_l, lw.ple.w_gate, lw.ple.w_out, lw.ple.norm_w, self.act)
             return y
@@ -226,7 +226,7 @@ class Model:
 
     # ------------------------------------------------------------------ QSA mixer
 
-    def _qsa(self, u, w, cache: EngineCache, rows: StepRows, planes_get, planes_set,
+    def _qsa(self, u, w, cache: EngineCache, rows: StepRows, p: QsaPlanes,
              selection: SelectionSlot | None = None):
         """``selection``: where to leave this layer's selected blocks (the trunk's last QSA layer),
         or the shared selection to use (IndexShare in the draft layer: rows with a shared
@@ -248,17 +248,14 @@ class Model:
 
         store_k, store_v, load_k, load_v = ops.kv_codec(cache.kv_dtype, w.k_gs, w.v_gs, dh, hkv, act)
         kv_name = {"bf16": "bfloat16"}.get(cache.kv_dtype, cache.kv_dtype)
-        table = cache.pages.block_table
-        p: QsaPlanes = planes_get()
+        # The block table's columns up to the step's longest request: a step's work (index scores,
+        # selection) spans the blocks its rows can reach, not every block a slot could hold.
+        table = cache.pages.block_table[:, :-(-axes["context"] // cfg.tokens_per_block)]
         seq_ids, positions = rows.seq_ids, rows.positions
-        k_cache, v_cache, pos_plane = ops.qsa_kv_append(
-            p, table, seq_ids, positions, k, v, store_k, store_v,
+        ops.qsa_kv_append(
+            p, table, seq_ids, positions, k, v, store_k, store_v, (w.k_gs, w.v_gs),
             axes=dict(axes, kv_dtype=kv_name, act_dtype=DTYPE_NAME[act], kv_heads=hkv, head_dim=dh))
-        p = p._replace(k_cache=k_cache, v_cache=v_cache, pos_plane=pos_plane)
-        index_plane, block_keys, valid = ops.qsa_index_store(p, table, seq_ids, positions, k_index,
-                                                             axes=dict(axes, index_dim=di))
-        p = p._replace(index_plane=index_plane, block_keys=block_keys, block_key_valid=valid)
-        planes_set(p)
+        ops.qsa_index_store(p, table, seq_ids, positions, k_index, axes=dict(axes, index_dim=di))
         shared = selection.shared if selection is not None else None
         if shared is None:
             scores = ops.qsa_index_scores(q_index, w_index, seq_ids, positions, table, p,
@@ -332,12 +329,8 @@ class Model:
         last_qsa = max(i for i, lw in enumerate(w.layers) if lw.kind == "qsa")
         handover = SelectionSlot(keep=True)
         for li, lw in enumerate(w.layers):
-            def get(li=li):
-                return cache.layers[li]
-
-            def put(p, li=li):
-                cache.layers[li] = p
-            X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, get, put,
+            planes = cache.layers[li] if lw.kind == "qsa" else None
+            X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, planes,
                                handover if li == last_qsa else None)
         logits = self._read_out(m if logit_rows is None else m[logit_rows])
         for sp in rows.spans:
@@ -357,15 +350,9 @@ class Model:
         dev = w.device
         h_in = self.ops.mtp_draft_input(next_ids.to(dev), h_prev.to(dev), w.embed, mw.norm_emb,
                                         mw.norm_h, mw.fc, self.act)
-
-        def get():
-            return cache.mtp
-
-        def put(p):
-            cache.mtp = p
         share = SelectionSlot(shared=shared_selection) if shared_selection is not None else None
         X, m = self._layer(self._streams(h_in, cfg.hc_streams), mw.layer, None, None, cache, rows,
-                           None, get, put, share)
+                           None, cache.mtp, share)
         for sp in rows.spans:
             cache.mtp_lengths[sp.slot] = sp.start + sp.rows
         return StepOutput(self._read_out(m if logit_rows is None else m[logit_rows]), m,

@@ -225,22 +225,49 @@ class Ops:
         return q_out, k_out
 
     def qsa_kv_append(self, planes, block_table, seq_ids, positions, k, v, store_k, store_v,
-                      *, axes: dict):
-        self._reference("qsa_kv_append", **axes)
-        return spec_qsa.qsa_kv_append(planes.k_cache, planes.v_cache, planes.pos_plane,
-                                      block_table, seq_ids, positions, k, v, store_k, store_v)
+                      gs: tuple[torch.Tensor, torch.Tensor], *, axes: dict) -> None:
+        """The step's K / V rows and positions written into ``planes``, in place (the spec's
+        ``qsa_kv_append_into``, or a kernel's in-place core): a step writes its rows, not the pools.
+        ``gs``: nvfp4's (K, V) global scales, read by a kernel that quantises inside."""
+        ref, impl = self._choose("qsa_kv_append", **axes)
+        if ref or self.shape_only:
+            spec_qsa.qsa_kv_append_into(planes.k_cache, planes.v_cache, planes.pos_plane,
+                                        block_table, seq_ids, positions, k, v, store_k, store_v)
+            return
+        dev = k.device
+        pools = lambda c: (c,) if isinstance(c, torch.Tensor) else tuple(c)  # noqa: E731
+        kv_format = {"bfloat16": "bf16"}.get(axes["kv_dtype"], axes["kv_dtype"])
+        k_gs, v_gs = (float(g) for g in gs) if kv_format == "nvfp4" else (1.0, 1.0)
+        self.d.core(impl)(pools(planes.k_cache), pools(planes.v_cache), planes.pos_plane,
+                          block_table.to(dev), seq_ids.to(dev), positions.to(dev), k, v, kv_format,
+                          k_gs, v_gs)
 
-    def qsa_index_store(self, planes, block_table, seq_ids, positions, k_index, *, axes: dict):
-        self._reference("qsa_index_store", **axes)
-        return spec_qsa.qsa_index_store(planes.index_plane, planes.block_keys,
-                                        planes.block_key_valid, block_table, seq_ids, positions,
-                                        k_index)
+    def qsa_index_store(self, planes, block_table, seq_ids, positions, k_index, *,
+                        axes: dict) -> None:
+        """The step's index keys written into ``planes`` and the blocks they complete compressed, in
+        place (the spec's ``qsa_index_store_into``, or a kernel's in-place core)."""
+        ref, impl = self._choose("qsa_index_store", **axes)
+        if ref or self.shape_only:
+            spec_qsa.qsa_index_store_into(planes.index_plane, planes.block_keys,
+                                          planes.block_key_valid, block_table, seq_ids, positions,
+                                          k_index)
+            return
+        dev = k_index.device
+        self.d.core(impl)(planes.index_plane, planes.block_keys, planes.block_key_valid,
+                          block_table.to(dev), seq_ids.to(dev), positions.to(dev), k_index)
 
     def qsa_index_scores(self, q_index, w_index, seq_ids, positions, block_table, planes, *,
                          axes: dict):
-        self._reference("qsa_index_scores", **axes)
-        return spec_qsa.qsa_index_scores(q_index, w_index, seq_ids, positions, block_table,
-                                         planes.block_keys, planes.block_key_valid)
+        ref, impl = self._choose("qsa_index_scores", **axes)
+        if ref or self.shape_only:
+            return spec_qsa.qsa_index_scores(q_index, w_index, seq_ids, positions, block_table,
+                                             planes.block_keys, planes.block_key_valid)
+        dev = q_index.device
+        scores = torch.empty(q_index.shape[0], block_table.shape[1], dtype=torch.float32,
+                             device=dev)
+        impl(q_index, w_index, seq_ids.to(dev), positions.to(dev), block_table.to(dev),
+             planes.block_keys, planes.block_key_valid, scores=scores)
+        return scores
 
     def qsa_topk_expand(self, scores, positions, context_lens, top_k, sink, local, *, axes: dict):
         """Rows that score their own blocks: the selection and its tokens in one op (block ids
@@ -278,9 +305,15 @@ class Ops:
 
     def qsa_sparse_gqa(self, q, gate, tokens, seq_ids, block_table, planes, load_k, load_v, *,
                        axes: dict):
-        self._reference("qsa_sparse_gqa", **axes)
-        return spec_qsa.qsa_sparse_gqa(q, gate, tokens, seq_ids, block_table, planes.k_cache,
-                                       planes.v_cache, load_k, load_v)
+        ref, impl = self._choose("qsa_sparse_gqa", **axes)
+        if ref or self.shape_only:
+            return spec_qsa.qsa_sparse_gqa(q, gate, tokens, seq_ids, block_table, planes.k_cache,
+                                           planes.v_cache, load_k, load_v)
+        dev = q.device
+        out = torch.empty_like(q)
+        impl(q, gate, tokens.to(dev), seq_ids.to(dev), block_table.to(dev), planes.k_cache,
+             planes.v_cache, load_k, load_v, out=out)
+        return out
 
     # ------------------------------------------------------------------ GDN
 

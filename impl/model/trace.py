@@ -205,23 +205,19 @@ class _Forward:
             cache.lengths[slot] = cache.mtp_lengths[slot] = start
         planes = [*cache.qsa_indices(), None] if cache.mtp is not None else cache.qsa_indices()
         for i in planes:
-            p = scrub_pages(cache.layers[i] if i is not None else cache.mtp, taken)
-            p = self._mark_stored(p, cache)
-            if i is None:
-                cache.mtp = p
-            else:
-                cache.layers[i] = p
+            p = cache.layers[i] if i is not None else cache.mtp
+            scrub_pages(p, taken)
+            self._mark_stored(p, cache)
         return cache
 
-    def _mark_stored(self, p: QsaPlanes, cache: EngineCache) -> QsaPlanes:
-        pos, valid = p.pos_plane.clone(), p.block_key_valid.clone()
+    def _mark_stored(self, p: QsaPlanes, cache: EngineCache) -> None:
+        pos, valid = p.pos_plane, p.block_key_valid
         table = cache.pages.block_table
         for slot, _, start, _, _ in self.plan:
             if start:
                 t = torch.arange(start)
                 pos[table[slot, t // PAGE].long(), t % PAGE] = t.to(pos.dtype)
                 valid[table[slot, :start // PAGE].long()] = True
-        return p._replace(pos_plane=pos, block_key_valid=valid)
 
     def run(self) -> list[OpCall]:
         self.d.start_trace()
@@ -268,8 +264,8 @@ class _Forward:
         for sp in spans:
             keep = sp.start + a + 1
             for li in cache.qsa_indices():
-                cache.layers[li] = truncate_planes(cache.layers[li], cache.pages.block_table[sp.slot],
-                                                   keep, sp.start + sp.rows)
+                truncate_planes(cache.layers[li], cache.pages.block_table[sp.slot], keep,
+                                sp.start + sp.rows)
             cache.lengths[sp.slot] = keep
         self._draft([(Span(sp.slot, sp.lo, sp.lo + a + 1, sp.start, "prefill"), True) for sp in spans],
                     out)
@@ -281,8 +277,8 @@ class _Forward:
         spans, h_rows, sel_rows = [], [], []
         for (sp, _), lo in zip(items, _offsets([sp.rows for sp, _ in items])):
             if cache.mtp_lengths[sp.slot] > sp.start:  # the previous round's speculative rows
-                cache.mtp = truncate_planes(cache.mtp, cache.pages.block_table[sp.slot], sp.start,
-                                            cache.mtp_lengths[sp.slot])
+                truncate_planes(cache.mtp, cache.pages.block_table[sp.slot], sp.start,
+                                cache.mtp_lengths[sp.slot])
                 cache.mtp_lengths[sp.slot] = sp.start
             spans.append(Span(sp.slot, lo, lo + sp.rows, sp.start, "prefill"))
             h_rows.append(trunk.hidden[sp.lo:sp.hi])

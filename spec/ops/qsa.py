@@ -171,26 +171,37 @@ def qsa_kv_append(k_cache: torch.Tensor | Pools, v_cache: torch.Tensor | Pools,
     k, v: [N, n_kv_heads, head_dim] (k after QK norm + RoPE); seq_ids, positions: integer [N].
     ``store`` maps k rows to the K pools' slot values (default: cast to the single pool's dtype);
     ``store_v`` does the same for V and defaults to ``store``. Slots not addressed are unchanged.
-    Returns new (k_cache, v_cache, pos_plane), each of the same kind as its input.
+    Returns new (k_cache, v_cache, pos_plane), each of the same kind as its input: copies of the
+    inputs with the writes of ``qsa_kv_append_into`` applied.
+    """
+    k_new = _like_input(k_cache, tuple(p.clone() for p in _as_pools(k_cache)))
+    v_new = _like_input(v_cache, tuple(p.clone() for p in _as_pools(v_cache)))
+    pos_new = pos_plane.clone()
+    qsa_kv_append_into(k_new, v_new, pos_new, block_table, seq_ids, positions, k, v, store, store_v)
+    return k_new, v_new, pos_new
+
+
+def qsa_kv_append_into(k_cache: torch.Tensor | Pools, v_cache: torch.Tensor | Pools,
+                       pos_plane: torch.Tensor, block_table: torch.Tensor, seq_ids: torch.Tensor,
+                       positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       store: Store | None = None, store_v: Store | None = None) -> None:
+    """``qsa_kv_append`` written into the given pools and position plane: only the N addressed slots
+    change, so its cost is the step's rows, not the pools' size.
     Two new tokens addressing the same slot are an error (the result would depend on write order).
     """
     pages, offsets = slot_of(block_table, seq_ids, positions)
     _check_unique_slots(pages, offsets)
     store_v = store if store_v is None else store_v
 
-    def write(cache: torch.Tensor | Pools, x: torch.Tensor, fn: Store | None) -> torch.Tensor | Pools:
+    def write(cache: torch.Tensor | Pools, x: torch.Tensor, fn: Store | None) -> None:
         pools = _as_pools(cache)
-        parts = _store_rows(pools, x, fn)
-        out = []
-        for pool, part in zip(pools, parts):
-            new = pool.clone()
-            new[pages, offsets] = part
-            out.append(new)
-        return _like_input(cache, tuple(out))
+        for pool, part in zip(pools, _store_rows(pools, x, fn)):
+            pool[pages.to(pool.device), offsets.to(pool.device)] = part
 
-    new_pos = pos_plane.clone()
-    new_pos[pages, offsets] = positions.to(pos_plane.dtype)
-    return write(k_cache, k, store), write(v_cache, v, store_v), new_pos
+    write(k_cache, k, store)
+    write(v_cache, v, store_v)
+    pos_plane[pages.to(pos_plane.device), offsets.to(pos_plane.device)] = \
+        positions.to(device=pos_plane.device, dtype=pos_plane.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -224,32 +235,40 @@ def qsa_index_store(index_plane: torch.Tensor, block_keys: torch.Tensor,
 
     Precondition (MATH.md "when a block's 32nd token arrives"): each sequence's tokens are stored in
     position order without gaps, so a page whose slot 31 is written holds 32 tokens after the call.
-    Returns new (index_plane, block_keys, block_key_valid).
+    Returns new (index_plane, block_keys, block_key_valid): copies of the inputs with the writes of
+    ``qsa_index_store_into`` applied.
     """
+    new_index, new_keys, new_valid = index_plane.clone(), block_keys.clone(), block_key_valid.clone()
+    qsa_index_store_into(new_index, new_keys, new_valid, block_table, seq_ids, positions, k_index)
+    return new_index, new_keys, new_valid
+
+
+def qsa_index_store_into(index_plane: torch.Tensor, block_keys: torch.Tensor,
+                         block_key_valid: torch.Tensor, block_table: torch.Tensor,
+                         seq_ids: torch.Tensor, positions: torch.Tensor, k_index: torch.Tensor
+                         ) -> None:
+    """``qsa_index_store`` written into the given planes: the N addressed slots and the pages they
+    touch change, nothing else, so its cost is the step's rows, not the planes' size."""
     pages, offsets = slot_of(block_table, seq_ids, positions)
     _check_unique_slots(pages, offsets)
     acc = acc_dtype(index_plane, k_index, block_keys)
+    dev = index_plane.device
+    index_plane[pages.to(dev), offsets.to(dev)] = k_index.to(index_plane.dtype)
 
-    new_index = index_plane.clone()
-    new_index[pages, offsets] = k_index.to(index_plane.dtype)
-    new_keys = block_keys.clone()
-    new_valid = block_key_valid.clone()
-
-    if index_plane.device.type == "meta":
+    if dev.type == "meta":
         # meta: shapes only (the reach tracer); the flags are host-side and kept exact, the keys of
         # completed pages have no values to sum.
-        new_valid[pages] = False
-        new_valid[pages[offsets == TOKENS_PER_BLOCK - 1]] = True
-        return new_index, new_keys, new_valid
+        block_key_valid[pages] = False
+        block_key_valid[pages[offsets == TOKENS_PER_BLOCK - 1]] = True
+        return
     touched = sorted(set(pages.tolist()))
     completed = set(pages[offsets == TOKENS_PER_BLOCK - 1].tolist())
     for page in touched:
         if page in completed:
-            new_keys[page] = block_key(new_index[page], acc).to(block_keys.dtype)
-            new_valid[page] = True
+            block_keys[page] = block_key(index_plane[page], acc).to(block_keys.dtype)
+            block_key_valid[page] = True
         else:
-            new_valid[page] = False
-    return new_index, new_keys, new_valid
+            block_key_valid[page] = False
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -161,8 +161,9 @@ def test_planted_block_key_kept_after_its_block_lost_tokens(weights, monkeypatch
     real = engine_mod.truncate_planes
 
     def keep_keys(planes, row, keep, upto):
-        out = real(planes, row, keep, upto)
-        return out._replace(block_key_valid=planes.block_key_valid)
+        before = planes.block_key_valid.clone()
+        real(planes, row, keep, upto)
+        planes.block_key_valid.copy_(before)
     monkeypatch.setattr(engine_mod, "truncate_planes", keep_keys)
     # r0 reads 30 tokens: its verify rows 30..33 complete block 0 at position 31; a = 0 keeps 31
     # tokens, so block 0 loses its last token and its key must go.
