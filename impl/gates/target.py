@@ -127,7 +127,8 @@ class FlashNextGates:
         longest = max(len(s.prompt_ids()) for s in items)
         # Admission keeps K positions free for a speculative engine's verify and draft rows.
         k = gate_engine.speculative.draft_length if gate_engine.speculative else 0
-        config = gate_engine.engine_config(max_seq_len=longest + new + k)
+        config = gate_engine.engine_config(max_seq_len=longest + new + k).model_copy(
+            update={"device": self.device.type})
         weights, cfg = self._weights
         requests = [Request(request_id=str(i), prompt=tuple(s.prompt_ids()), max_new_tokens=new)
                     for i, s in enumerate(items)]
@@ -154,26 +155,13 @@ class FlashNextGates:
     @cached_property
     def _weights(self):
         from impl.model.checkpoint import load_checkpoint
+        from impl.model.placement import to_device
 
         ckpt = load_checkpoint(self.checkpoint, dtype=torch.bfloat16)
         weights = ckpt.weights
         if self.device.type != "cpu":
-            weights = _to_device(weights, self.device)
+            weights = to_device(weights, self.device)
         return weights, ckpt.cfg
-
-
-def _to_device(obj, device: torch.device):
-    """A copy of a weights tree with every tensor on ``device`` (dataclasses rebuilt field by field)."""
-    import dataclasses
-
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, list):
-        return [_to_device(o, device) for o in obj]
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        return dataclasses.replace(obj, **{f.name: _to_device(getattr(obj, f.name), device)
-                                          for f in dataclasses.fields(obj) if f.init})
-    return obj
 
 
 def _rel(path: Path) -> str:

@@ -23,6 +23,7 @@ from impl.model.engine_config import EngineConfig, SpeculativeConfig, check, exp
 
 def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     e.add_argument("--preset", default=preset, help="model preset: target | tiny")
+    e.add_argument("--device", default="cpu", help="cpu | cuda")
     e.add_argument("--model-dtype", default="bf16")
     e.add_argument("--kv-dtype", default="bf16")
     e.add_argument("--state-dtype", default="fp32")
@@ -65,7 +66,7 @@ def _config(args) -> EngineConfig:
                                  dynamic_draft_length=args.dynamic_draft_length,
                                  index_share=args.index_share)
     return EngineConfig(
-        model=args.preset, model_dtype=args.model_dtype, kv_cache_dtype=args.kv_dtype,
+        model=args.preset, device=args.device, model_dtype=args.model_dtype, kv_cache_dtype=args.kv_dtype,
         state_dtype=args.state_dtype, moe_backend=args.moe_backend,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len, enable_chunked_prefill=not args.no_chunked_prefill,
@@ -86,7 +87,8 @@ def _generate(args, config: EngineConfig) -> int:
 
     from impl.model.admission import Request
     from impl.model.engine import Engine
-    from impl.model.engine_config import ConfigRefused
+    from impl.model.engine_config import ConfigRefused, route
+    from impl.model.placement import to_device
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[config.model_dtype]
     if args.checkpoint:
@@ -110,6 +112,9 @@ def _generate(args, config: EngineConfig) -> int:
     requests = [Request(request_id=f"req{i}", prompt=p, max_new_tokens=args.max_new_tokens)
                 for i, p in enumerate(prompts)]
     try:
+        if config.device != "cpu":
+            route(config)  # refuses an absent device before any tensor moves
+            weights = to_device(weights, config.device)
         engine = Engine(config, weights, cfg=cfg)
     except ConfigRefused as err:
         print(err)

@@ -32,12 +32,10 @@ from typing import Callable, Iterable
 
 import torch
 
-from certify.archs import cuda_arch
 from impl.model.admission import Request, RequestRejected, admit, validate_request
 from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
-from impl.model.engine_config import (EngineConfig, RoutePlan, RuleContext, default_context,
-                                      route)
+from impl.model.engine_config import EngineConfig, RoutePlan, default_context, route
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import DTYPE_NAME, Ops
 from spec.config import ModelConfig
@@ -130,11 +128,14 @@ class Engine:
 
     def __init__(self, config: EngineConfig, weights: Weights, *, cfg: ModelConfig | None = None,
                  plan: RoutePlan | None = None, log_calls: bool = False):
-        # The engine dispatches for the device its weights live on (a CPU engine on a GPU machine
-        # runs the CPU variants).
-        arch = "cpu" if weights.device.type == "cpu" else (cuda_arch() or "cpu")
-        ctx = RuleContext(config.model_geometry(), default_context(config).catalog, arch)
+        # The engine dispatches for its configured device (a CPU engine on a GPU machine runs the
+        # CPU variants); the weights must already live there.
+        ctx = default_context(config)
         self.plan = plan or route(config, ctx)          # refuses before anything is built
+        if weights.device.type != config.device:
+            raise ValueError(f"the weights are on {weights.device.type}; the configuration's device "
+                             f"is {config.device} (move them, or set EngineConfig.device)")
+        arch = ctx.arch
         self.config = config
         self.cfg = cfg or config.model_geometry()
         if tuple(weights.embed.shape) != (self.cfg.vocab_size, self.cfg.hidden):

@@ -52,7 +52,7 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from certify.archs import runtime_arch
+from certify.archs import cuda_arch
 from certify.catalog import Catalog, load_catalog
 from certify.paths import project_paths
 from certify.plan import variants_of_cell
@@ -65,6 +65,7 @@ ModelDtype = Literal["bf16", "fp16", "fp32"]
 KvCacheDtype = Literal["bf16", "fp8", "nvfp4", "fp16", "int8"]
 StateDtype = Literal["fp32", "bf16", "fp16"]
 MoeBackend = Literal["torch", "trtllm", "cutedsl"]
+Device = Literal["cpu", "cuda"]
 
 SUPPORTED_MOE_BACKENDS = ("torch",)
 
@@ -96,6 +97,7 @@ class EngineConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     model: ModelPreset = "target"
+    device: Device = "cpu"
     model_dtype: ModelDtype = "bf16"
     kv_cache_dtype: KvCacheDtype = "bf16"
     state_dtype: StateDtype = "fp32"
@@ -134,7 +136,11 @@ def _project_catalog() -> Catalog:
 
 
 def default_context(config: EngineConfig) -> RuleContext:
-    return RuleContext(config.model_geometry(), _project_catalog(), runtime_arch())
+    """The rules' context on this machine: the arch is the configured device's (a CUDA device's
+    compute capability, ``cpu`` for the CPU, and ``cpu`` for cuda on a machine without a GPU, which
+    the rule ``device_present`` refuses)."""
+    arch = (cuda_arch() or "cpu") if config.device == "cuda" else "cpu"
+    return RuleContext(config.model_geometry(), _project_catalog(), arch)
 
 
 @dataclass(frozen=True)
@@ -339,6 +345,12 @@ def _context_reach(c: EngineConfig, ctx: RuleContext) -> str | None:
     return f"max_seq_len {c.max_seq_len} exceeds the context reach of {r[0]} ({r[1]})"
 
 
+def _device_present(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.device == "cuda" and not ctx.arch.startswith("sm_"):
+        return "device 'cuda' was asked for, and this machine has no CUDA device"
+    return None
+
+
 def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
     from impl.model.ops import FORWARD_OPS, INDEX_SHARE_OPS, KV_CODEC_OPS, SPECULATION_OPS
 
@@ -367,6 +379,9 @@ def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 
 RULES: list[Rule] = [
+    Rule("device_present",
+         "The configured device is on this machine (cuda needs a CUDA device).",
+         _device_present),
     Rule("kv_cache_dtype_supported",
          "The KV cache dtype is a value of every kv_dtype axis in the catalog.", _kv_dtype),
     Rule("model_dtype_supported",

@@ -251,6 +251,8 @@ class Model:
         # The block table's columns up to the step's longest request: a step's work (index scores,
         # selection) spans the blocks its rows can reach, not every block a slot could hold.
         table = cache.pages.block_table[:, :-(-axes["context"] // cfg.tokens_per_block)]
+        if dev.type != "meta":  # over meta pools the tracer's ops read the table on the host
+            table = table.to(dev)
         seq_ids, positions = rows.seq_ids, rows.positions
         ops.qsa_kv_append(
             p, table, seq_ids, positions, k, v, store_k, store_v, (w.k_gs, w.v_gs),

@@ -91,7 +91,8 @@ class Ops:
             impl(**inputs, **outputs, **kw)
 
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-        ref, impl = self._choose("rmsnorm", rows=x.shape[0], hidden=x.shape[-1])
+        ref, impl = self._choose("rmsnorm", rows=x.shape[0], hidden=x.shape[-1],
+                                 act_dtype=DTYPE_NAME[x.dtype])
         if ref:
             return spec_norms.rmsnorm(x, w, eps)
         out = torch.empty_like(x)
@@ -230,7 +231,12 @@ class Ops:
         ``qsa_kv_append_into``, or a kernel's in-place core): a step writes its rows, not the pools.
         ``gs``: nvfp4's (K, V) global scales, read by a kernel that quantises inside."""
         ref, impl = self._choose("qsa_kv_append", **axes)
-        if ref or self.shape_only:
+        if self.shape_only and not ref:
+            # A kernel quantises inside (no codec op runs): only the host-side positions are kept.
+            pages, offsets = spec_qsa.slot_of(block_table, seq_ids, positions)
+            planes.pos_plane[pages, offsets] = positions.to(planes.pos_plane.dtype)
+            return
+        if ref:
             spec_qsa.qsa_kv_append_into(planes.k_cache, planes.v_cache, planes.pos_plane,
                                         block_table, seq_ids, positions, k, v, store_k, store_v)
             return
@@ -310,8 +316,10 @@ class Ops:
             return spec_qsa.qsa_sparse_gqa(q, gate, tokens, seq_ids, block_table, planes.k_cache,
                                            planes.v_cache, load_k, load_v)
         dev = q.device
+        q, gate = q.contiguous(), gate.contiguous()
         out = torch.empty_like(q)
-        impl(q, gate, tokens.to(dev), seq_ids.to(dev), block_table.to(dev), planes.k_cache,
+        impl(q, gate, tokens.to(dev).contiguous(), seq_ids.to(dev).contiguous(),
+             block_table.to(dev).contiguous(), planes.k_cache,
              planes.v_cache, load_k, load_v, out=out)
         return out
 
@@ -349,6 +357,7 @@ class Ops:
             res = spec_gdn.gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots)
             state_pool[slots] = res["state_pool"][slots].to(state_pool.dtype)
             return res["out"]
+        q, k, v, a, b, z = (t.contiguous() for t in (q, k, v, a, b, z))
         out = torch.empty_like(z)
         fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots.to(state_pool.device),
            out=out)
@@ -362,6 +371,7 @@ class Ops:
         if ref:
             res = spec_gdn.gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots)
             return res["out"], res["states"]
+        q, k, v, a, b, z = (t.contiguous() for t in (q, k, v, a, b, z))
         B, T, HV, V = v.shape
         out = torch.empty_like(z)
         states = torch.empty(B, T, HV, q.shape[-1], V, dtype=state_pool.dtype, device=v.device)
@@ -378,6 +388,8 @@ class Ops:
         if ref:
             res = spec_gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, z, norm_w, state)
             return res["out"], res["final_state"]
+        # kernels read whole contiguous tensors; the projections' splits are views
+        q, k, v, a, b, z, state = (t.contiguous() for t in (q, k, v, a, b, z, state))
         out = torch.empty_like(z)
         final = torch.empty_like(state)
         fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out=out, final_state=final)

@@ -136,7 +136,8 @@ class Scenario(ScenarioBase):
         """The configuration an engine serving this step runs with, in ``mode``."""
         spec = (SpeculativeConfig(draft_length=self.draft_length, index_share=self.index_share)
                 if self.draft_length else None)
-        return EngineConfig(model="target", kv_cache_dtype=self.kv_dtype,
+        return EngineConfig(model="target", device="cuda" if mode.arch.startswith("sm_") else "cpu",
+                            kv_cache_dtype=self.kv_dtype,
                             state_dtype=self.state_dtype, max_batch_size=self.requests,
                             max_num_tokens=self.max_num_tokens, max_seq_len=self.max_context,
                             speculative=spec, batch_invariant=mode.batch_invariant)

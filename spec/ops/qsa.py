@@ -102,10 +102,11 @@ def slot_of(block_table: torch.Tensor, seq_ids: torch.Tensor,
             positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(page, offset) of token ``positions[i]`` of sequence ``seq_ids[i]``; both int64 [N].
 
-    Raises if a token's logical block has no page in the block table.
+    Raises if a token's logical block has no page in the block table. Both are on the block table's
+    device, wherever the ids and positions live.
     """
-    seq = seq_ids.long()
-    pos = positions.long()
+    seq = seq_ids.long().to(block_table.device)
+    pos = positions.long().to(block_table.device)
     if (pos < 0).any():
         raise ValueError("token positions must be >= 0")
     blocks = pos // TOKENS_PER_BLOCK

@@ -72,7 +72,7 @@ def replay(calls: list[ModelCall], weights: Weights, cfg: ModelConfig, *, kv_dty
             order.setdefault(rid, len(order))
     B = len(order)
     cache = new_cache(cfg, B, max_len, dtype=weights.dtype, kv_dtype=kv_dtype,
-                      state_dtype=state_dtype)
+                      state_dtype=state_dtype, device=weights.device)
     passes: list[Pass] = []
     snapshot = None
     last_verify: ModelCall | None = None

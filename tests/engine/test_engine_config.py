@@ -218,12 +218,28 @@ def test_ops_run_on_the_arch():
     assert r.reason == ("no reference variant (impl: spec, batch-invariant mode) of gdn_decode "
                         f"runs on {ctx.arch}")
     assert check(EngineConfig(model="tiny"), cut) == []   # the default dispatch still has torch
-    # On sm_90 the HC, PLE, MoE and QSA ops have no variant yet: the forward is refused, naming them.
+    # On sm_90 every forward op has a variant (the references run there too), in both modes.
     gpu = RuleContext(ctx.model, ctx.catalog, "sm_90")
-    r = only(EngineConfig(model="tiny"), gpu)
+    for invariant in (False, True):
+        assert check(EngineConfig(model="tiny", device="cuda", batch_invariant=invariant), gpu) == []
+    # Without its sm_90 variants an op refuses the forward there, named.
+    hc = ops["hc_inject_norm"]
+    ops["hc_inject_norm"] = hc.model_copy(update={"variants": [
+        v.model_copy(update={"archs": [a for a in v.archs if a != "sm_90"]}) for v in hc.variants]})
+    cut = RuleContext(ctx.model, Catalog(ops=ops, errors=ctx.catalog.errors), "sm_90")
+    r = only(EngineConfig(model="tiny", device="cuda"), cut)
     assert r.rule == "ops_run_on_the_arch"
-    assert r.reason.startswith("no variant of hc_inject_norm runs on sm_90 (and ")
-    assert "moe" in r.reason and "rmsnorm" not in r.reason  # rmsnorm has a Triton variant there
+    assert r.reason == "no variant of hc_inject_norm runs on sm_90"
+
+
+def test_device_present():
+    cpu = RuleContext(default_context(EngineConfig()).model, default_context(EngineConfig()).catalog,
+                      "cpu")
+    r = only(EngineConfig(model="tiny", device="cuda"), cpu)
+    assert r.rule == "device_present"
+    assert r.reason == "device 'cuda' was asked for, and this machine has no CUDA device"
+    gpu = RuleContext(cpu.model, cpu.catalog, "sm_90")
+    assert check(EngineConfig(model="tiny", device="cuda"), gpu) == []
 
 
 def test_explain_batch_invariant_lists_reference_variants():

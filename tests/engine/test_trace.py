@@ -77,7 +77,17 @@ def test_index_share_removes_the_draft_layers_own_selection_for_the_trunks_rows(
 
 
 def test_a_mode_the_engine_refuses_is_recorded_with_the_rules_reason():
+    from certify.catalog import Catalog
+
     sc = Scenario(name="s", why="batch-invariant on a GPU arch", decode=[{"requests": 1,
                                                                          "context": 64}])
-    traces = TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])
-    assert "ops_run_on_the_arch" in traces["sm_90/batch_invariant"].refused
+    ops = dict(CATALOG.ops)
+    moe = ops["moe"]
+    ops["moe"] = moe.model_copy(update={"variants": [
+        v.model_copy(update={"archs": ["cpu"]}) for v in moe.variants]})
+    cut = Catalog(ops=ops, errors=CATALOG.errors)
+    traces = TRACER.trace(sc, cut, [Mode("sm_90", True)])
+    refused = traces["sm_90/batch_invariant"].refused
+    assert "ops_run_on_the_arch" in refused and "of moe runs on sm_90" in refused, refused
+    # the project's catalog runs it
+    assert TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])["sm_90/batch_invariant"].refused is None

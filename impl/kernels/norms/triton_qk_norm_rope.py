@@ -124,9 +124,11 @@ def qk_norm_rope(q: torch.Tensor, k: torch.Tensor, w_q: torch.Tensor, w_k: torch
             int(positions.min()) < 0 or int(positions.max()) > max_position):
         raise ValueError(f"positions must lie in 0 .. {max_position}")
     cos, sin = cos_sin_table(max_position, q.device, rotary_dim, theta)
-    key = (str(q.device), rotary_dim, sections)
+    # the mRoPE position row of every frequency; plain positions read none (any rotary_dim)
+    key = (str(q.device), rotary_dim, sections if mrope else None)
     if key not in _FREQ_ROWS:
-        _FREQ_ROWS[key] = mrope_freq_rows(rotary_dim, sections).to(torch.int32).to(q.device)
+        _FREQ_ROWS[key] = (mrope_freq_rows(rotary_dim, sections) if mrope
+                           else torch.zeros(1)).to(torch.int32).to(q.device)
     rows = _FREQ_ROWS[key]
     pos = positions.to(torch.int64).contiguous()
     _qk_norm_rope_kernel[(T,)](

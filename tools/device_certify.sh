@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Certification calls on the GPU machine, after the staged wheels are installed
+# (../shared/device/stage-gpu-wheels.sh). Run from the repository root there:
+#
+#     bash tools/device_certify.sh receipts [SECONDS]   # sm_90 receipts not yet fresh, for at most SECONDS
+#     bash tools/device_certify.sh engine [PYTEST_ARGS...]  # GPU engine tests, generate on cuda
+#
+# What it writes comes back under $OUT: sm_90.jsonl (copy it into reports/receipts/ before the next
+# call: a stopped run resumes from the fresh receipts it carries), run.log, gpu_tests.log,
+# generate.log, versions.txt.
+set -u
+out=${OUT:?run this through the GPU machine, which sets OUT}
+export PYTHONPATH=$PWD:/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages PYTHONUNBUFFERED=1
+part=${1:?receipts or engine}
+shift
+
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} > "$out/versions.txt" 2>&1
+
+if [ "$part" = receipts ]; then
+  t0=$(date +%s)
+  timeout "${1:-500}" python3 -m certify.cli run --arch sm_90 --outdated > "$out/run.log" 2>&1
+  echo "certify run --arch sm_90 --outdated: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/run.log"
+  cp reports/receipts/sm_90.jsonl "$out/sm_90.jsonl"
+  tail -5 "$out/run.log"
+  exit 0
+fi
+
+t0=$(date +%s)
+timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py "$@" \
+    > "$out/gpu_tests.log" 2>&1
+echo "GPU engine tests: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/gpu_tests.log"
+tail -15 "$out/gpu_tests.log"
+
+t0=$(date +%s)
+timeout 120 python3 -m impl.model.cli generate --random-weights --prompt "hello" --draft-length 3 \
+    --device cuda > "$out/generate.log" 2>&1
+echo "generate on cuda: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/generate.log"
+tail -4 "$out/generate.log"
