@@ -100,21 +100,40 @@ class Ops:
         return out
 
     def hc_inject_norm(self, X: torch.Tensor, eps: float):
-        self._reference("hc_inject_norm", tokens=X.shape[0], streams=X.shape[1], hidden=X.shape[2])
-        return spec_hc.hc_inject_norm(X, eps)
+        ref, impl = self._choose("hc_inject_norm", tokens=X.shape[0], streams=X.shape[1],
+                                 hidden=X.shape[2])
+        if ref:
+            return spec_hc.hc_inject_norm(X, eps)
+        T, n, C = X.shape
+        v = torch.empty(T, n * C, dtype=torch.float32, device=X.device)
+        r = torch.empty(T, dtype=torch.float32, device=X.device)
+        self._kernel_outputs(impl, {"X": X.contiguous(), "eps": eps}, {"v": v, "r": r})
+        return v, r
 
     def hc_first_projection(self, v, r, phi, bias, n: int, iters: int, hidden: int):
         self._reference("hc_first_projection", tokens=v.shape[0], streams=n, hidden=hidden)
         return spec_hc.hc_first_projection(v, r, phi, bias, n, iters)
 
     def hc_pre(self, X: torch.Tensor, h_pre: torch.Tensor, act: torch.dtype) -> torch.Tensor:
-        self._reference("hc_pre", tokens=X.shape[0], streams=X.shape[1], hidden=X.shape[2])
-        return spec_hc.hc_pre(X, h_pre, act)
+        ref, impl = self._choose("hc_pre", tokens=X.shape[0], streams=X.shape[1],
+                                 hidden=X.shape[2])
+        if ref:
+            return spec_hc.hc_pre(X, h_pre, act)
+        x_in = torch.empty(X.shape[0], X.shape[2], dtype=act, device=X.device)
+        self._kernel_outputs(impl, {"X": X.contiguous(), "h_pre": h_pre, "act_dtype": act},
+                             {"x_in": x_in})
+        return x_in
 
     def hc_up_projection(self, X, y, h_res, h_post):
-        self._reference("hc_up_projection", tokens=X.shape[0], streams=X.shape[1],
-                        hidden=X.shape[2])
-        return spec_hc.hc_up_projection(X, y, h_res, h_post)
+        ref, impl = self._choose("hc_up_projection", tokens=X.shape[0], streams=X.shape[1],
+                                 hidden=X.shape[2])
+        if ref:
+            return spec_hc.hc_up_projection(X, y, h_res, h_post)
+        X_new, m = torch.empty_like(X), torch.empty(X.shape[0], X.shape[2], dtype=torch.float32,
+                                                     device=X.device)
+        self._kernel_outputs(impl, {"X": X.contiguous(), "y": y, "h_res": h_res,
+                                    "h_post": h_post}, {"X_new": X_new, "m": m})
+        return X_new, m
 
     def ple_embed(self, ids, history, x_emb, pw, act: torch.dtype, start: str, layers: int):
         self._reference("ple_embed", tokens=ids.shape[0], start=start, layers=layers,

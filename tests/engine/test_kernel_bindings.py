@@ -83,7 +83,8 @@ class InterpreterFirst(Dispatcher):
 
 @pytest.mark.parametrize("kv,k", [("bf16", None), ("nvfp4", 3)])
 def test_the_engine_runs_its_kernel_bindings_through_the_interpreter(weights, kv, k):
-    """Every binding of a Triton variant (QK norm + RoPE, KV append, index store, top-k + expand,
+    """Every binding of a Triton variant (the HC inject norm, pre-mix and up projection, QK norm +
+    RoPE, KV append, index store, top-k + expand,
     sparse GQA, the GDN kernels, rmsnorm, the logits cast) in one engine, with the logits held to
     tests/engine/test_engine.py's bound against the float64 ideal (engine error at most 2x the
     spec's own bf16 error + 2^-9). Measured on the tiny model: 1.03x (bf16 KV), 1.40x (nvfp4, K 3)."""
@@ -94,8 +95,8 @@ def test_the_engine_runs_its_kernel_bindings_through_the_interpreter(weights, kv
     e.dispatcher = e.model.ops.d = InterpreterFirst(e.dispatcher.catalog, "cpu")
     e.generate(engine_tests._requests(engine_tests.LENGTHS))
     ran = e.dispatcher.variants_ran()
-    for op in ("qk_norm_rope", "qsa_kv_append", "qsa_index_store", "qsa_topk_expand",
-               "gdn_prefill", "logits_cast"):
+    for op in ("hc_inject_norm", "hc_pre", "hc_up_projection", "qk_norm_rope", "qsa_kv_append",
+               "qsa_index_store", "qsa_topk_expand", "gdn_prefill", "logits_cast"):
         assert "spec_lowp" not in ran[op], (op, ran[op])
     assert set(ran["qsa_sparse_gqa"]) == {"triton_decode", "triton_rows"}
     lowp = engine_tests._replay(e, weights)
