@@ -72,20 +72,25 @@ def scrub_pages(planes: QsaPlanes, pages: list[int]) -> None:
     if not pages:
         return
 
+    index: dict[torch.device, torch.Tensor] = {}
+
+    def idx(t: torch.Tensor) -> torch.Tensor:  # the pages, once per device
+        if t.device not in index:
+            index[t.device] = torch.tensor(pages, dtype=torch.long, device=t.device)
+        return index[t.device]
+
     def poison(pool):
         if isinstance(pool, tuple):
             for p in pool:
                 poison(p)
             return
-        idx = torch.tensor(pages, dtype=torch.long, device=pool.device)
         fill = 0 if pool.dtype == torch.uint8 else float("nan")
-        pool[idx] = torch.tensor(fill, device=pool.device).to(pool.dtype)
+        pool[idx(pool)] = torch.tensor(fill, device=pool.device).to(pool.dtype)
 
     for pool in (planes.k_cache, planes.v_cache, planes.index_plane, planes.block_keys):
         poison(pool)
-    planes.pos_plane.index_fill_(0, torch.tensor(pages, device=planes.pos_plane.device), -1)
-    planes.block_key_valid.index_fill_(
-        0, torch.tensor(pages, device=planes.block_key_valid.device), False)
+    planes.pos_plane.index_fill_(0, idx(planes.pos_plane), -1)
+    planes.block_key_valid.index_fill_(0, idx(planes.block_key_valid), False)
 
 
 def truncate_planes(planes: QsaPlanes, block_table_row: torch.Tensor, keep: int, upto: int) -> None:

@@ -61,6 +61,7 @@ class Dispatcher:
         self.ran: Counter[tuple[str, str]] = Counter()
         self.trace: list[OpCall] | None = None
         self._impls: dict[tuple[str, str], Callable] = {}
+        self._cores: dict[str, Callable] = {}
 
     def start_trace(self) -> None:
         self.trace = []
@@ -117,11 +118,13 @@ class Dispatcher:
         """The in-place core of a kernel variant whose certification entry writes whole-plane
         outputs (``IN_PLACE_CORES``): the same kernels on the engine's own planes."""
         path = f"{impl.__module__}:{impl.__name__}"
-        try:
-            return resolve(IN_PLACE_CORES[path])
-        except KeyError:
-            raise DispatchError(f"{path} writes whole-plane outputs and names no in-place core in "
-                                f"IN_PLACE_CORES") from None
+        if path not in self._cores:
+            try:
+                self._cores[path] = resolve(IN_PLACE_CORES[path])
+            except KeyError:
+                raise DispatchError(f"{path} writes whole-plane outputs and names no in-place core "
+                                    f"in IN_PLACE_CORES") from None
+        return self._cores[path]
 
     def variants_ran(self) -> dict[str, list[str]]:
         """op -> the variants that ran (sorted), over this dispatcher's life."""
