@@ -20,7 +20,7 @@ from impl.model.cache import EngineCache, GDNPool
 from impl.model.ops import DTYPE_NAME, Ops
 from spec.config import ModelConfig
 from spec.model import LayerWeights, Weights
-from spec.numerics import acc_dtype, is_reference_mode, out_cast, rowwise_matmul
+from spec.numerics import acc_dtype, is_reference_mode, out_cast
 from spec.ops.ple import ple_history_advance
 from spec.ops.qsa import QsaPlanes
 
@@ -122,9 +122,8 @@ class Model:
     # ------------------------------------------------------------------ building blocks
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """A dense projection: row by row in the accumulation dtype, rounded once (as the spec)."""
-        acc = acc_dtype(x, w)
-        return out_cast(rowwise_matmul(x.to(acc), w.to(acc).T), self.act, is_reference_mode(x, w))
+        """A dense projection (op ``linear``) of activations in the model's dtype."""
+        return self.ops.linear(x.to(self.act), w)
 
     def _hc_site(self, X, site, norm_w, sublayer):
         cfg, ops = self.cfg, self.ops

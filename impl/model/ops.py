@@ -30,6 +30,7 @@ from impl.model.dispatch import DispatchError, Dispatcher
 from spec.ops import gdn as spec_gdn
 from spec.ops import hc as spec_hc
 from spec.ops import kv_storage as spec_kv
+from spec.ops import linear as spec_linear
 from spec.ops import moe as spec_moe
 from spec.ops import mtp as spec_mtp
 from spec.ops import norms as spec_norms
@@ -42,7 +43,7 @@ from spec.ops.qsa import TOKENS_PER_BLOCK, selection_width
 # Every op the forward dispatches (its bindings below), by when it runs. The configuration rule
 # ``ops_run_on_the_arch`` reads these; a test checks a traced forward calls no other op.
 FORWARD_OPS: tuple[str, ...] = (
-    "rmsnorm", "hc_inject_norm", "hc_first_projection", "hc_pre", "hc_up_projection", "ple_embed",
+    "linear", "rmsnorm", "hc_inject_norm", "hc_first_projection", "hc_pre", "hc_up_projection", "ple_embed",
     "ple_apply", "moe", "logits_cast", "qk_norm_rope", "qsa_kv_append", "qsa_index_store",
     "qsa_index_scores", "qsa_topk_expand", "qsa_select", "qsa_expand", "qsa_sparse_gqa",
     "gdn_conv_prefill",
@@ -90,6 +91,15 @@ class Ops:
         if not self.shape_only:
             impl(**inputs, **outputs, **kw)
 
+    def linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        ref, impl = self._choose("linear", rows=x.shape[0], in_features=x.shape[-1],
+                                 out_features=w.shape[0], act_dtype=DTYPE_NAME[x.dtype])
+        if ref:
+            return spec_linear.linear(x, w)
+        out = torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+        self._kernel_outputs(impl, {"x": x.contiguous(), "w": w}, {"out": out})
+        return out
+
     def rmsnorm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         ref, impl = self._choose("rmsnorm", rows=x.shape[0], hidden=x.shape[-1],
                                  act_dtype=DTYPE_NAME[x.dtype])
@@ -111,8 +121,20 @@ class Ops:
         return v, r
 
     def hc_first_projection(self, v, r, phi, bias, n: int, iters: int, hidden: int):
-        self._reference("hc_first_projection", tokens=v.shape[0], streams=n, hidden=hidden)
-        return spec_hc.hc_first_projection(v, r, phi, bias, n, iters)
+        ref, impl = self._choose("hc_first_projection", tokens=v.shape[0], streams=n,
+                                 hidden=hidden)
+        if ref:
+            return spec_hc.hc_first_projection(v, r, phi, bias, n, iters)
+        if iters != spec_hc.SINKHORN_ITERS:
+            raise DispatchError(f"hc_first_projection: the kernel variants run "
+                                f"{spec_hc.SINKHORN_ITERS} Sinkhorn rounds, the model asks {iters}")
+        T, f32 = v.shape[0], torch.float32
+        coef = spec_hc.HCCoefficients(torch.empty(T, n, dtype=f32, device=v.device),
+                                      torch.empty(T, n, dtype=f32, device=v.device),
+                                      torch.empty(T, n, n, dtype=f32, device=v.device))
+        self._kernel_outputs(impl, {"v": v, "r": r, "phi": phi, "bias": bias},
+                             {"h_pre": coef.h_pre, "h_post": coef.h_post, "h_res": coef.h_res})
+        return coef
 
     def hc_pre(self, X: torch.Tensor, h_pre: torch.Tensor, act: torch.dtype) -> torch.Tensor:
         ref, impl = self._choose("hc_pre", tokens=X.shape[0], streams=X.shape[1],
@@ -136,22 +158,47 @@ class Ops:
         return X_new, m
 
     def ple_embed(self, ids, history, x_emb, pw, act: torch.dtype, start: str, layers: int):
-        self._reference("ple_embed", tokens=ids.shape[0], start=start, layers=layers,
-                        ple_dim=pw.norm_w.shape[0], hidden=x_emb.shape[-1],
-                        vocab=pw.table.shape[0])
-        return spec_ple.ple_embed(ids, history, x_emb, pw.table, pw.ngram_table, pw.w_ple,
-                                  pw.norm_w, pw.hash_cfg, act)
+        ref, impl = self._choose("ple_embed", tokens=ids.shape[0], start=start, layers=layers,
+                                 ple_dim=pw.norm_w.shape[0], hidden=x_emb.shape[-1],
+                                 vocab=pw.table.shape[0])
+        if ref:
+            return spec_ple.ple_embed(ids, history, x_emb, pw.table, pw.ngram_table, pw.w_ple,
+                                      pw.norm_w, pw.hash_cfg, act)
+        P = pw.norm_w.shape[0]
+        e = torch.empty(ids.shape[0], pw.table.shape[1] // P, P, dtype=act, device=x_emb.device)
+        mult2, mult3, primes = _hash_constants(pw.hash_cfg)
+        self._kernel_outputs(impl, {"ids": ids, "history": history, "x_emb": x_emb,
+                                    "table": pw.table, "ngram_table": pw.ngram_table,
+                                    "w_ple": pw.w_ple, "norm_w": pw.norm_w, "mult2": mult2,
+                                    "mult3": mult3, "primes": primes}, {"e": e})
+        return e
 
     def ple_apply(self, y, e_l, w_gate, w_out, norm_w, act: torch.dtype) -> torch.Tensor:
-        self._reference("ple_apply", tokens=y.shape[0], x_dtype=DTYPE_NAME[y.dtype],
-                        hidden=y.shape[-1], ple_dim=e_l.shape[-1])
-        return spec_ple.ple_apply(y, e_l, w_gate, w_out, norm_w, act)
+        ref, impl = self._choose("ple_apply", tokens=y.shape[0], x_dtype=DTYPE_NAME[y.dtype],
+                                 hidden=y.shape[-1], ple_dim=e_l.shape[-1])
+        if ref:
+            return spec_ple.ple_apply(y, e_l, w_gate, w_out, norm_w, act)
+        out = torch.empty_like(y)
+        self._kernel_outputs(impl, {"x": y, "e_l": e_l, "w_gate": w_gate, "w_out": w_out,
+                                    "norm_w": norm_w}, {"out": out})
+        return out
 
     def moe(self, u: torch.Tensor, w, top_k: int) -> torch.Tensor:
         e = w.experts
-        self._reference("moe", tokens=u.shape[0], experts=w.router.shape[0], hidden=u.shape[-1],
-                        expert_inter=e.intermediate, shared_inter=w.shared.w_gate.shape[0],
-                        top_k=top_k)
+        ref, impl = self._choose("moe", tokens=u.shape[0], experts=w.router.shape[0],
+                                 hidden=u.shape[-1], expert_inter=e.intermediate,
+                                 shared_inter=w.shared.w_gate.shape[0], top_k=top_k)
+        if not ref:
+            out = torch.empty_like(u)
+            sh = w.shared
+            self._kernel_outputs(impl, {
+                "x": u, "w_router": w.router, "top_k": top_k,
+                "gate_packed": e.gate.packed, "gate_sf": e.gate.sf, "gate_gs": e.gate.gs,
+                "up_packed": e.up.packed, "up_sf": e.up.sf, "up_gs": e.up.gs,
+                "down_packed": e.down.packed, "down_sf": e.down.sf, "down_gs": e.down.gs,
+                "x_gs": e.x_gs, "h_gs": e.h_gs, "w_gate": sh.w_gate, "w_up": sh.w_up,
+                "w_down": sh.w_down, "w_sg": sh.w_sg}, {"out": out})
+            return out
         if self.shape_only:
             return _moe_shape_only(u, w, top_k)
         return spec_moe.moe(u, w.router, w.experts, w.shared, top_k)
@@ -166,9 +213,15 @@ class Ops:
         return out
 
     def mtp_draft_input(self, ids, h, embed, norm_emb, norm_h, fc, act: torch.dtype):
-        self._reference("mtp_draft_input", rows=ids.shape[0], hidden=h.shape[-1],
-                        embed_rows=embed.shape[0], act_dtype=DTYPE_NAME[act])
-        return spec_mtp.mtp_draft_input(ids, h, embed, norm_emb, norm_h, fc, act)
+        ref, impl = self._choose("mtp_draft_input", rows=ids.shape[0], hidden=h.shape[-1],
+                                 embed_rows=embed.shape[0], act_dtype=DTYPE_NAME[act])
+        if ref:
+            return spec_mtp.mtp_draft_input(ids, h, embed, norm_emb, norm_h, fc, act)
+        out = torch.empty(ids.shape[0], h.shape[-1], dtype=act, device=h.device)
+        self._kernel_outputs(impl, {"next_token": ids, "h_prev": h, "embed": embed,
+                                    "norm_emb_w": norm_emb, "norm_h_w": norm_h, "fc_w": fc},
+                             {"h_draft": out})
+        return out
 
     # ------------------------------------------------------------------ speculative decoding
 
@@ -435,6 +488,15 @@ def _select_shape_only(positions: torch.Tensor, k: int, sink: int, local: int) -
     low = torch.where(col < n_low, col, -1)
     high = torch.maximum(local_lo, cand_end)[:, None] + (col - n_low)
     return torch.where(col < n_low, low, torch.where(col < n_low + n_local, high, -1))
+
+
+def _hash_constants(cfg: spec_ple.NgramHashConfig) -> tuple[torch.Tensor, ...]:
+    """The n-gram hash constants in the kernels' form: multipliers as int64 bits [heads, order] for
+    orders 2 and 3, primes int64 [orders, heads]."""
+    signed = lambda u: u - (1 << 64) if u >= 1 << 63 else u  # noqa: E731
+    mults = [torch.tensor([[signed(m) for m in head] for head in order], dtype=torch.int64)
+             for order in cfg.multipliers]
+    return mults[0], mults[1], torch.tensor(cfg.primes, dtype=torch.int64)
 
 
 def _moe_shape_only(u: torch.Tensor, w, top_k: int) -> torch.Tensor:

@@ -1,0 +1,122 @@
+"""Benchmark the MoE block at the target's 512-expert table on the GPU: the Triton grouped-GEMM variant
+against the spec's own bf16 path and the bytes floor.
+
+Run on the GPU machine from the repository root:
+    python3 bench/moe.py [--out DIR]
+It writes ``moe.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
+Weights are drawn on the GPU (N(0, 1/fan_in) quantized to nvfp4 by the spec's quantizer, one global
+scale per matrix), so the 1.2 GB table takes seconds. Rows: decode at 1, 32 and 128 requests and an
+8192-row prompt chunk. The floor is the bytes the step must move: the nvfp4 codes and block scales
+of every expert the rows select, the router and the shared expert's bf16 weights, x read and the
+output written once, over the device-to-device copy bandwidth measured in the same run. Times are
+medians of plain launches (triton.testing.do_bench); each result is checked against the float64 spec
+at one row first (certification is the cells' job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import math
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import copy_bandwidth  # noqa: E402
+
+from impl.kernels.moe import triton_moe  # noqa: E402
+from spec.ops.kv_storage import NVFP4_BLOCK, nvfp4_global_scale, nvfp4_quantize  # noqa: E402
+from spec.ops.moe import NvFp4Experts, NvFp4Weight, SharedExpert, moe  # noqa: E402
+
+C, I, IS, E, K = 3072, 512, 512, 512, 10
+ROWS = [("decode 1", 1), ("decode 32", 32), ("decode 128", 128), ("prefill chunk 8192", 8192)]
+SPEC_MAX_ROWS = 32  # the spec's row-by-row path beyond this costs minutes
+
+
+def _stack(out_f: int, in_f: int, gen: torch.Generator) -> NvFp4Weight:
+    packed, sf, gs = [], [], []
+    for e in range(E):
+        w = torch.randn(out_f, in_f, device="cuda", generator=gen) / math.sqrt(in_f)
+        g = nvfp4_global_scale(w.abs().max().double().cpu()).cuda()
+        p, s = nvfp4_quantize(w, g)
+        packed.append(p)
+        sf.append(s)
+        gs.append(g)
+    return NvFp4Weight(torch.stack(packed), torch.stack(sf), torch.stack(gs))
+
+
+def _weights(gen: torch.Generator):
+    router = (torch.randn(E, C, device="cuda", generator=gen) * 1.5 / math.sqrt(C)).bfloat16()
+    scale = nvfp4_global_scale(torch.tensor(16.0)).cuda()
+    experts = NvFp4Experts(_stack(I, C, gen), _stack(I, C, gen), _stack(C, I, gen), scale,
+                           scale.clone())
+    bf = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).bfloat16()  # noqa: E731
+    shared = SharedExpert(bf(IS, C), bf(IS, C), bf(C, IS), bf(C))
+    return router, experts, shared
+
+
+def _floor_bytes(ids: torch.Tensor, T: int) -> int:
+    used = int(torch.unique(ids).numel())
+    per_expert = 3 * (I * C // 2 + I * C // NVFP4_BLOCK) + 3 * 4
+    dense = 2 * (E * C + 3 * IS * C + C)
+    return used * per_expert + dense + 2 * T * C * 2
+
+
+def main() -> None:
+    import triton
+    import triton.testing
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="reports/bench")
+    args = ap.parse_args()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    t0 = dt.datetime.now()
+    router, experts, shared = _weights(gen)
+    built = (dt.datetime.now() - t0).total_seconds()
+    bw = copy_bandwidth()
+    kw = dict(gate_packed=experts.gate.packed, gate_sf=experts.gate.sf, gate_gs=experts.gate.gs,
+              up_packed=experts.up.packed, up_sf=experts.up.sf, up_gs=experts.up.gs,
+              down_packed=experts.down.packed, down_sf=experts.down.sf, down_gs=experts.down.gs,
+              x_gs=experts.x_gs, h_gs=experts.h_gs, w_gate=shared.w_gate, w_up=shared.w_up,
+              w_down=shared.w_down, w_sg=shared.w_sg)
+    lines = [f"# MoE block at 512 experts ({dt.date.today()})", "",
+             f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+             f"{triton.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write); weights "
+             f"drawn in {built:.0f} s, {torch.cuda.memory_allocated() / 2**30:.1f} GiB held.", "",
+             "| rows | experts used | floor MB | floor us | triton us | % of floor | spec bf16 us "
+             "| triton vs spec | max err vs float64 (ulp of row max) |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for label, T in ROWS:
+        x = (torch.randn(T, C, device="cuda", generator=gen)).bfloat16()
+        ids, _ = triton_moe.route(x, router, K)
+        nbytes = _floor_bytes(ids, T)
+        out = torch.empty_like(x)
+        run = lambda: triton_moe.moe(x, router, K, **kw, out=out)  # noqa: E731
+        run()
+        ref = moe(x[:1].double(), router.double(), NvFp4Experts(
+            experts.gate, experts.up, experts.down, experts.x_gs.double(), experts.h_gs.double()),
+            SharedExpert(*(t.double() for t in (shared.w_gate, shared.w_up, shared.w_down,
+                                                shared.w_sg))), K)
+        err = float((out[:1].double() - ref).abs().max() / (ref.abs().max() * 2 ** -8))
+        ms = triton.testing.do_bench(run, rep=200, return_mode="median")
+        spec_ms = None
+        if T <= SPEC_MAX_ROWS:
+            spec_ms = triton.testing.do_bench(
+                lambda: moe(x, router, experts, shared, K), rep=200, return_mode="median")
+        floor_us = nbytes / bw * 1e6
+        spec = f"{spec_ms * 1e3:.0f}" if spec_ms else "not run"
+        ratio = f"{spec_ms / ms:.1f}x" if spec_ms else "-"
+        lines.append(f"| {label} | {int(torch.unique(ids).numel())} | {nbytes / 1e6:.1f} | "
+                     f"{floor_us:.0f} | {ms * 1e3:.0f} | {100 * floor_us / (ms * 1e3):.0f} % | "
+                     f"{spec} | {ratio} | {err:.2f} |")
+        print(lines[-1], flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
