@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import ast
 import datetime as dt
+import functools
 import hashlib
 import importlib.util
 import json
@@ -156,15 +157,35 @@ CPU_DISPATCH_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR"
 
 def cpu_dispatch() -> dict[str, str]:
     """The CPU kernels this process dispatches to: torch's capability (``AVX512``, ``AVX2``,
-    ``DEFAULT``...), its intra-op thread count (a parallel reduction splits by threads), and the
-    settings of ``CPU_DISPATCH_SETTINGS`` that are set. Two runs whose values agree here, with the same
-    library versions, give the same bytes on the CPU."""
+    ``DEFAULT``...), its intra-op thread count (a parallel reduction splits by threads), the settings
+    of ``CPU_DISPATCH_SETTINGS`` that are set, and numpy's BLAS (``numpy_blas``). Two runs whose
+    values agree here, with the same library versions, give the same bytes on the CPU."""
     import torch
 
     out = {"cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
            "threads": str(torch.get_num_threads())}
     out |= {k.lower(): os.environ[k] for k in CPU_DISPATCH_SETTINGS if os.environ.get(k)}
+    blas = numpy_blas()
+    if blas:
+        out["numpy_blas"] = blas
     return out
+
+
+@functools.cache
+def numpy_blas() -> str | None:
+    """numpy's BLAS library, its version and the CPU kernel family it picked at load, e.g.
+    ``openblas 0.3.31.188.0 Haswell``. Triton's interpreter computes every ``tl.dot`` as a numpy
+    matmul, and OpenBLAS's kernel families sum a dot's products in different orders: on one AVX-512
+    CPU the interpreter's GDN prefill gives other last bits under ``SkylakeX`` than under ``Haswell``
+    (an Intel and an AMD machine pick these). Its thread count is left out: OpenBLAS splits a GEMM's
+    rows and columns among threads, never a sum."""
+    import numpy  # noqa: F401  (threadpoolctl lists the libraries already loaded)
+    from threadpoolctl import threadpool_info
+
+    for lib in threadpool_info():
+        if lib.get("user_api") == "blas" and "numpy" in lib.get("filepath", ""):
+            return " ".join(str(lib.get(k) or "?") for k in ("internal_api", "version", "architecture"))
+    return None
 
 
 def make_receipt(op: OpFile, variant: str, cell: Cell, arch: str, outcome: Outcome) -> Receipt:

@@ -45,7 +45,8 @@ SKIPPED = "skipped"
 
 # Recorded keys that do not decide the bytes of a result.
 _NOT_DECIDING = ("python",)
-_CPU_DISPATCH_KEYS = ("cpu_capability", "threads", *(k.lower() for k in CPU_DISPATCH_SETTINGS))
+_CPU_DISPATCH_KEYS = ("cpu_capability", "threads", "numpy_blas",
+                      *(k.lower() for k in CPU_DISPATCH_SETTINGS))
 
 
 @dataclass(frozen=True)

@@ -95,3 +95,35 @@ def test_the_command_exits_1_on_a_mismatch(target, receipt, tmp_path: Path, monk
     write_receipts(tmp_path, [receipt.model_copy(update={"status": "failed"})])
     assert main(["verify", "--op", OP, "--arch", "cpu"]) == 1
     assert MISMATCH in capsys.readouterr().out
+
+
+_BLAS_PROBE = """
+import hashlib, json, numpy as np
+from certify.receipts import library_versions
+a = np.random.default_rng(0).standard_normal((64, 512), dtype=np.float32)
+print(json.dumps({"versions": library_versions(), "bits": hashlib.md5((a @ a.T).tobytes()).hexdigest()}))
+"""
+
+
+@pytest.mark.parametrize("family", ["Sandybridge", "Haswell"])
+def test_numpy_blas_kernel_family_decides_comparability(family):
+    """Triton's interpreter computes its dots with numpy's BLAS, whose kernel family (picked from the
+    CPU at load) orders the sums: a run under another family is not digest-comparable, and the
+    versions say why. Each family here runs on any x86-64 CPU with AVX2."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    def probe(env_extra):
+        env = {**os.environ, **env_extra}
+        out = subprocess.run([sys.executable, "-c", _BLAS_PROBE], env=env, capture_output=True,
+                             text=True, check=True, cwd=project_paths().root).stdout
+        return json.loads(out.strip().splitlines()[-1])
+
+    here, there = probe({}), probe({"OPENBLAS_CORETYPE": family})
+    assert there["versions"]["numpy_blas"].endswith(family), there["versions"]
+    if there["bits"] != here["bits"]:
+        assert not_comparable(here["versions"], there["versions"]) is not None
+    same_family = here["versions"]["numpy_blas"] == there["versions"]["numpy_blas"]
+    assert same_family == (not_comparable(here["versions"], there["versions"]) is None)
