@@ -4,6 +4,9 @@ against the spec's own bf16 path and the bytes floor.
 Run on the GPU machine from the repository root:
     python3 bench/moe.py [--out DIR]
 It writes ``moe.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
+``--profile`` writes ``moe_profile.txt`` instead: per row count, the median time of each stage alone,
+a sweep of the GEMMs' launch configs, the block replayed from a CUDA graph and torch.profiler's
+kernel table of three calls.
 Weights are drawn on the GPU (N(0, 1/fan_in) quantized to nvfp4 by the spec's quantizer, one global
 scale per matrix), so the 1.2 GB table takes seconds. Rows: decode at 1, 32 and 128 requests and an
 8192-row prompt chunk. The floor is the bytes the step must move: the nvfp4 codes and block scales
@@ -71,6 +74,7 @@ def main() -> None:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="reports/bench")
+    ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = dt.datetime.now()
@@ -89,6 +93,9 @@ def main() -> None:
              "| rows | experts used | floor MB | floor us | triton us | % of floor | spec bf16 us "
              "| triton vs spec | max err vs float64 (ulp of row max) |",
              "|---|---|---|---|---|---|---|---|---|"]
+    if args.profile:
+        _profile(router, experts, shared, kw, gen, Path(args.out))
+        return
     for label, T in ROWS:
         x = (torch.randn(T, C, device="cuda", generator=gen)).bfloat16()
         ids, _ = triton_moe.route(x, router, K)
@@ -116,6 +123,76 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "moe.md").write_text("\n".join(lines) + "\n")
+
+
+SWEEP = {"BN": (32, 64, 128), "BK": (64, 128, 256), "num_stages": (2, 4)}
+
+
+def _profile(router, experts, shared, kw, gen, out_dir: Path) -> None:
+    """Per row count: each stage alone, a sweep of each GEMM's launch config (the other at its
+    default), the whole block replayed from a CUDA graph, and torch.profiler's kernel table."""
+    import itertools
+
+    import triton.testing
+    from torch.profiler import ProfilerActivity, profile
+
+    m = triton_moe
+    bench = lambda fn: triton.testing.do_bench(fn, rep=50, return_mode="median") * 1e3  # noqa: E731
+    ekw = {k: kw[k] for k in ("gate_packed", "gate_sf", "gate_gs", "up_packed", "up_sf", "up_gs",
+                              "down_packed", "down_sf", "down_gs", "x_gs", "h_gs")}
+    text = []
+    for label, T in ROWS:
+        x = (torch.randn(T, C, device="cuda", generator=gen)).bfloat16()
+        out = torch.empty_like(x)
+        ids, w = m.route(x, router, K)
+        name, bm = m.regime(ids.numel(), E)
+        rows_of, block_expert = m.expert_blocks(ids, E, bm)
+        stages = {
+            "route": lambda: m.route(x, router, K),
+            "expert_blocks": lambda: m.expert_blocks(ids, E, bm),
+            "quantize x": lambda: m.quantized_values(x, experts.x_gs),
+            "routed_experts": lambda: m.routed_experts(x, ids, w, **ekw),
+            "shared_expert": lambda: m.shared_expert(x, shared.w_gate, shared.w_up, shared.w_down,
+                                                     shared.w_sg),
+            "moe": lambda: m.moe(x, router, K, **kw, out=out),
+        }
+        text.append(f"## {label}: config {name}, {block_expert.numel()} blocks of {bm} rows")
+        for name, fn in stages.items():
+            text.append(f"  {name:16s} {bench(fn):10.1f} us")
+        base = m.routed_experts(x, ids, w, **ekw).float()
+        for gemm in ("gate_up", "down"):
+            results = []
+            for bn, bk, st in itertools.product(*SWEEP.values()):
+                cfg = {gemm: {"BN": bn, "BK": bk, "num_stages": st}}
+                try:
+                    got = m.routed_experts(x, ids, w, **ekw, config=cfg).float()
+                    rel = float((got - base).abs().max() / base.abs().max())
+                    results.append((bench(lambda: m.routed_experts(x, ids, w, **ekw, config=cfg)),
+                                    bn, bk, st, rel))
+                except Exception as exc:  # noqa: BLE001  (a config that does not compile is a result)
+                    text.append(f"  {gemm} BN {bn} BK {bk} stages {st}: {type(exc).__name__}")
+            results.sort()
+            text.append(f"  sweep {gemm} (routed_experts us, BN, BK, stages, max rel diff): "
+                        + "; ".join(f"{t:.1f} {bn} {bk} {st} {rel:.1e}"
+                                    for t, bn, bk, st, rel in results[:6]))
+        try:
+            for _ in range(2):
+                m.moe(x, router, K, **kw, out=out)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                m.moe(x, router, K, **kw, out=out)
+            text.append(f"  moe from a CUDA graph {bench(graph.replay):10.1f} us")
+        except Exception as exc:  # noqa: BLE001
+            text.append(f"  moe from a CUDA graph: capture failed: {exc!r}"[:400])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                m.moe(x, router, K, **kw, out=out)
+            torch.cuda.synchronize()
+        text.append(prof.key_averages().table(sort_by="cuda_time_total", row_limit=20))
+        print("\n".join(text[-12:-1]), flush=True)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "moe_profile.txt").write_text("\n".join(text) + "\n")
 
 
 if __name__ == "__main__":

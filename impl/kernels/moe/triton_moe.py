@@ -10,18 +10,23 @@ operand in fp32, fp32 GEMM) in another rounding order, certified to tolerance.
 One block's steps:
 1. routing (torch): fp32 logits ``x @ W_r^T`` from the exact widening of x and W_r, softmax, the top-k
    by (-p, expert index) with a stable sort, the weights renormalised (spec.ops.moe.moe_route's rule);
-2. x quantized to nvfp4 with the layer's input scale (the spec's quantizer, spec.ops.kv_storage), kept
-   as the bf16 values ``code * sf``;
-3. the (token, slot) pairs sorted by expert into blocks of ``BLOCK_M`` rows, each block one expert's,
-   on the device with no host synchronisation (the grid is the worst-case block count; blocks past
+2. ``_quantize_kernel``: x quantized to nvfp4 with the layer's input scale, kept as the bf16 values
+   ``code * sf`` (``nvfp4_values``: the spec's quantizer, spec.ops.kv_storage.nvfp4_quantize, bit for
+   bit, in one launch);
+3. the (token, slot) pairs sorted by expert into blocks of BM rows (``regime``), each block one
+   expert's, on the device with no host synchronisation (the grid is the worst-case block count; blocks past
    the last exit at once, so a step can be captured in a CUDA graph);
-4. ``_gate_up_kernel``: per (block, 64 intermediate columns) the gate and up GEMMs from the same A
-   tile, each rounded to bf16, then ``h = silu(g) * u`` in fp32;
-5. h quantized with its scale ``h_gs`` (the spec's quantizer: h's only rounding point);
-6. ``_down_kernel``: per (block, 64 output channels) the down GEMM, rounded to bf16, written to the
+4. ``_gate_up_kernel``: per (block, BN intermediate columns) the gate and up GEMMs from the same A
+   tile, each rounded to bf16, then ``h = silu(g) * u`` in fp32, quantized in the epilogue with its
+   scale ``h_gs`` (h's only rounding point; the column tile holds whole 16-element blocks);
+5. ``_down_kernel``: per (block, BN output channels) the down GEMM, rounded to bf16, written to the
    pair's row;
-7. the k slot outputs summed in slot order in fp32 (torch), cast once; the shared expert (bf16 GEMMs
-   with the spec's rounding points, its fp32 sigmoid gate) added in fp32 and cast once.
+6. ``_combine_kernel``: the k slot outputs summed in slot order in fp32, each product and sum rounded
+   on its own as the spec's (no fused multiply-add), cast once; in ``moe`` the shared expert (bf16
+   GEMMs with the spec's rounding points, its fp32 sigmoid gate) is added in fp32 and cast once.
+
+The global scales are not checked per call (the spec's quantizer reads them on the host to check
+them; the weights' loader owns that check): a step launches without a host synchronisation.
 
 Packed bytes hold element 2i in the low nibble and 2i+1 in the high one. The kernels split each K tile
 into its even and odd elements (A's columns 2i and 2i+1 against the low and high nibbles), so a byte is
@@ -42,16 +47,43 @@ import triton.language as tl
 
 from impl.kernels.gemm import bf16_matmul, widened_matmul
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
-from spec.ops.kv_storage import FP8_DTYPE, nvfp4_dequantize, nvfp4_quantize
+from spec.ops.kv_storage import FP8_DTYPE
 
-BLOCK_M = 16   # rows (token, slot pairs) of one expert block: the smallest tensor-core M
-# Columns of a program and input elements of one K step. Triton's interpreter pays per operation,
-# not per element, so it runs the same kernels over larger tiles.
-BLOCK_N = 256 if INTERPRETING else 64
-BLOCK_K = 512 if INTERPRETING else 64
+# Launch configs by regime. An expert block holds BM (token, slot) rows of one expert: 16 (the
+# smallest tensor-core M) while most experts get a row or two, 64 once the rows average 8 an expert
+# (a prefill chunk), where a larger block decodes each expert's weights for 4x the rows. Per GEMM:
+# columns of a program (BN, a multiple of 16: h's quantizer blocks lie inside a tile), input elements
+# of one K step (BK), warps and pipeline stages; few rows take narrow tiles, so that a step of ten
+# experts still fills the GPU. Triton's interpreter pays per operation, not per element, so it runs
+# the same kernels over larger tiles.
+ROWS_PER_EXPERT_FOR_BM64 = 8
+if INTERPRETING:
+    _GEMMS = {"gate_up": {"BN": 256, "BK": 512, "num_warps": 4, "num_stages": 1},
+              "down": {"BN": 256, "BK": 512, "num_warps": 4, "num_stages": 1}}
+    CONFIGS = {"few": _GEMMS, "many": _GEMMS, "bm64": _GEMMS}
+else:
+    CONFIGS = {
+        "few": {"gate_up": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 2},
+                "down": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 2}},
+        "many": {"gate_up": {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+                 "down": {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}},
+        "bm64": {"gate_up": {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3},
+                 "down": {"BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3}},
+    }
+FEW_PAIRS = 64   # at most this many (token, slot) pairs: the "few" config
+
+
+def regime(pairs: int, num_experts: int) -> tuple[str, int]:
+    """(config name, BM) for a step of ``pairs`` (token, slot) pairs over ``num_experts``."""
+    if pairs >= ROWS_PER_EXPERT_FOR_BM64 * num_experts:
+        return "bm64", 64
+    return ("few" if pairs <= FEW_PAIRS else "many"), 16
+
+
 # The tensor-core operand dtype: bf16 on the GPU; fp32 in Triton's interpreter, whose dot reads bf16
 # operands as their raw bits. code * sf is exact in both, so the products are the same.
 OPERAND = tl.float32 if INTERPRETING else tl.bfloat16
+QUANT_ROWS = 16 if INTERPRETING else 4   # rows of one quantizer program
 
 
 @triton.jit
@@ -67,24 +99,70 @@ def _e2m1(nibble):
 
 @triton.jit
 def _e4m3(byte):
-    """An e4m3fn byte (int32, a non-negative finite scale) -> fp32: (8 + m) 2^(e - 10), or m 2^-9
-    for e == 0; 2^(e - 10) is built from its exponent bits."""
-    e = (byte >> 3) & 15
-    m = byte & 7
-    pow2 = ((e + 117) << 23).to(tl.float32, bitcast=True)
-    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, (8 + m).to(tl.float32) * pow2)
+    """An e4m3fn byte (int32, a non-negative finite scale) -> fp32. A normal one (e >= 1) is its own
+    bits moved into fp32's fields with the exponent rebiased (+120); a subnormal one is m 2^-9."""
+    normal = (((byte & 0x7F) << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    return tl.where((byte & 0x78) == 0, (byte & 7).to(tl.float32) * 0.001953125, normal)
 
 
 @triton.jit
-def _weight_tile(packed_ptr, sf_ptr, rows, row_mask, kb, K: tl.constexpr,
-                 HALF_K: tl.constexpr):
-    """The low- and high-nibble halves [BN, HALF_K] of a weight tile as exact bf16 code * sf; kb:
-    the tile's packed byte columns (those at or past K / 2 read as 0)."""
+def nvfp4_values(x, gs, R: tl.constexpr, NB: tl.constexpr):
+    """[R, NB * 16] fp32 -> the exact fp32 values ``code * sf`` of spec.ops.kv_storage.nvfp4_quantize
+    with global scale gs (blocks of 16 along the rows), bit for bit, NaN and signed zeros included.
+
+    Per block: ``sf = e4m3(min(amax / (6 gs), 448))`` to nearest even (normal values by rounding the
+    fp32 mantissa to 3 bits on the integer bits, subnormal ones as integer multiples of 2^-9); a NaN
+    element makes the block's scale NaN. Per element: ``y = x / (sf gs)``, its e2m1 magnitude the count
+    of midpoints it passes (ties to the even code), its sign x's sign bit. A block with scale 0 or NaN
+    is all code 0. Divisions are correctly rounded (``div_rn``), as torch's."""
+    xb = tl.reshape(x, (R, NB, 16))
+    has_nan = tl.max((xb != xb).to(tl.int32), axis=2) != 0
+    amax = tl.max(tl.abs(xb), axis=2)
+    v = tl.minimum(tl.div_rn(amax, 6.0 * gs), 448.0)
+    bits = v.to(tl.uint32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & 0xFFF00000).to(tl.float32, bitcast=True)
+    sub = ((v * 512.0 + 8388608.0) - 8388608.0) * 0.001953125
+    sf = tl.where(v >= 0.015625, normal, sub)
+    y = tl.div_rn(xb, tl.where(sf > 0.0, sf * gs, 1.0)[:, :, None])  # dead blocks: no 0 / 0
+    mag = tl.abs(y)
+    idx = ((mag > 0.25).to(tl.int32) + (mag >= 0.75).to(tl.int32) + (mag > 1.25).to(tl.int32)
+           + (mag >= 1.75).to(tl.int32) + (mag > 2.5).to(tl.int32) + (mag >= 3.5).to(tl.int32)
+           + (mag > 5.0).to(tl.int32))
+    val = _e2m1(idx) * sf[:, :, None]
+    negative = (xb.to(tl.uint32, bitcast=True) >> 31) != 0
+    val = tl.where(negative, -val, val)
+    val = tl.where((sf == 0.0)[:, :, None], 0.0, val)
+    val = tl.where(has_nan[:, :, None], float("nan"), val)
+    return tl.reshape(val, (R, NB * 16))
+
+
+@triton.jit
+def _quantize_kernel(x, gs_ptr, out, rows, D: tl.constexpr, BR: tl.constexpr, BD: tl.constexpr):
+    r = tl.program_id(0) * BR + tl.arange(0, BR)
+    c = tl.program_id(1) * BD + tl.arange(0, BD)
+    mask = (r[:, None] < rows) & (c[None, :] < D)
+    offs = r.to(tl.int64)[:, None] * D + c[None, :]
+    xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
+    val = nvfp4_values(xv, tl.load(gs_ptr), BR, BD // 16)
+    tl.store(out + offs, val.to(tl.bfloat16), mask=mask)
+
+
+@triton.jit
+def _weight_tile(packed_ptr, sf_ptr, rows, row_mask, k0, K: tl.constexpr, BN: tl.constexpr,
+                 HALF: tl.constexpr):
+    """The low- and high-nibble halves [BN, HALF] of the weight tile at input column k0 as exact
+    bf16 code * sf (columns at or past K read as 0). Each block scale is decoded once and broadcast
+    over its 8 bytes."""
+    kb = k0 // 2 + tl.arange(0, HALF)
     mask = row_mask[:, None] & (kb[None, :] < K // 2)
     bytes_ = tl.load(packed_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=mask,
                      other=0).to(tl.int32)
-    sf = _e4m3(tl.load(sf_ptr + rows[:, None] * (K // 16) + (kb[None, :] // 8), mask=mask,
-                       other=0).to(tl.int32))
+    G: tl.constexpr = HALF // 8
+    kg = k0 // 16 + tl.arange(0, G)
+    gmask = row_mask[:, None] & (kg[None, :] < K // 16)
+    sfg = _e4m3(tl.load(sf_ptr + rows[:, None] * (K // 16) + kg[None, :], mask=gmask,
+                        other=0).to(tl.int32))
+    sf = tl.reshape(tl.broadcast_to(sfg[:, :, None], (BN, G, 8)), (BN, HALF))
     lo = (_e2m1(bytes_ & 15) * sf).to(OPERAND)
     hi = (_e2m1(bytes_ >> 4) * sf).to(OPERAND)
     return lo, hi
@@ -92,7 +170,7 @@ def _weight_tile(packed_ptr, sf_ptr, rows, row_mask, kb, K: tl.constexpr,
 
 @triton.jit
 def _gate_up_kernel(xq, rows_of, block_expert, gate_packed, gate_sf, gate_gs, up_packed, up_sf,
-                    up_gs, x_gs, h, num_experts, K: tl.constexpr, I: tl.constexpr,
+                    up_gs, x_gs, h_gs, hq, num_experts, K: tl.constexpr, I: tl.constexpr,
                     TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
     blk = tl.program_id(0)
     e = tl.load(block_expert + blk)
@@ -116,18 +194,20 @@ def _gate_up_kernel(xq, rows_of, block_expert, gate_packed, gate_sf, gate_gs, up
                          other=0.0).to(OPERAND)
         a_odd = tl.load(xq + token[:, None] * K + 2 * kb[None, :] + 1, mask=a_mask,
                         other=0.0).to(OPERAND)
-        g_lo, g_hi = _weight_tile(gate_packed, gate_sf, w_rows, n_mask, kb, K, HALF)
+        g_lo, g_hi = _weight_tile(gate_packed, gate_sf, w_rows, n_mask, k0, K, BN, HALF)
         acc_g += tl.dot(a_even, tl.trans(g_lo))
         acc_g += tl.dot(a_odd, tl.trans(g_hi))
-        u_lo, u_hi = _weight_tile(up_packed, up_sf, w_rows, n_mask, kb, K, HALF)
+        u_lo, u_hi = _weight_tile(up_packed, up_sf, w_rows, n_mask, k0, K, BN, HALF)
         acc_u += tl.dot(a_even, tl.trans(u_lo))
         acc_u += tl.dot(a_odd, tl.trans(u_hi))
     xs = tl.load(x_gs)
     g = round_to_bf16(acc_g * (xs * tl.load(gate_gs + e)))
     u = round_to_bf16(acc_u * (xs * tl.load(up_gs + e)))
     hv = g / (1.0 + tl.exp(-g)) * u
-    hv = tl.where(live[:, None], hv, 0.0)
-    tl.store(h + slots.to(tl.int64)[:, None] * I + n[None, :], hv, mask=n_mask[None, :])
+    hv = tl.where(live[:, None] & n_mask[None, :], hv, 0.0)
+    hv = nvfp4_values(hv, tl.load(h_gs), BM, BN // 16)
+    tl.store(hq + slots.to(tl.int64)[:, None] * I + n[None, :], hv.to(tl.bfloat16),
+             mask=n_mask[None, :])
 
 
 @triton.jit
@@ -154,7 +234,7 @@ def _down_kernel(hq, rows_of, block_expert, down_packed, down_sf, down_gs, h_gs,
                          other=0.0).to(OPERAND)
         a_odd = tl.load(hq + slots[:, None] * K + 2 * kb[None, :] + 1, mask=a_mask,
                         other=0.0).to(OPERAND)
-        w_lo, w_hi = _weight_tile(down_packed, down_sf, w_rows, n_mask, kb, K, HALF)
+        w_lo, w_hi = _weight_tile(down_packed, down_sf, w_rows, n_mask, k0, K, BN, HALF)
         acc += tl.dot(a_even, tl.trans(w_lo))
         acc += tl.dot(a_odd, tl.trans(w_hi))
     y = round_to_bf16(acc * (tl.load(h_gs) * tl.load(down_gs + e)))
@@ -162,18 +242,36 @@ def _down_kernel(hq, rows_of, block_expert, down_packed, down_sf, down_gs, h_gs,
     tl.store(slot_out + dst[:, None] * C + n[None, :], y, mask=live[:, None] & n_mask[None, :])
 
 
+@triton.jit
+def _combine_kernel(slot_out, weights, shared, out, C: tl.constexpr, TOP_K: tl.constexpr,
+                    HAS_SHARED: tl.constexpr, BC: tl.constexpr):
+    t = tl.program_id(0).to(tl.int64)
+    c = tl.program_id(1) * BC + tl.arange(0, BC)
+    mask = c < C
+    acc = tl.zeros([BC], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        w = tl.load(weights + t * TOP_K + j)
+        acc = acc + w * tl.load(slot_out + (t * TOP_K + j) * C + c, mask=mask, other=0.0)
+    y = round_to_bf16(acc)
+    if HAS_SHARED:
+        y = round_to_bf16(y + tl.load(shared + t * C + c, mask=mask, other=0.0).to(tl.float32))
+    tl.store(out + t * C + c, y.to(tl.bfloat16), mask=mask)
+
+
 # ---------------------------------------------------------------- host side (device tensors only)
 
 
-def _unit_scale(device: torch.device) -> torch.Tensor:
-    return torch.ones((), dtype=torch.float32, device=device)
-
-
 def quantized_values(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
-    """x quantized to nvfp4 with the global scale gs (the spec's quantizer), as the exact bf16
-    values ``code * sf`` (the global scale left out)."""
-    packed, sf = nvfp4_quantize(x, gs)
-    return nvfp4_dequantize(packed, sf, _unit_scale(x.device), torch.float32).to(torch.bfloat16)
+    """x [T, D] quantized to nvfp4 with the global scale gs (the spec's quantizer, ``nvfp4_values``),
+    as the exact bf16 values ``code * sf`` (the global scale left out). One launch."""
+    T, D = x.shape
+    if D % 16:
+        raise ValueError(f"nvfp4 needs the last dim to be a multiple of 16, got {D}")
+    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    bd = min(256, triton.next_power_of_2(D))
+    _quantize_kernel[(triton.cdiv(T, QUANT_ROWS), triton.cdiv(D, bd))](
+        x.contiguous(), gs, out, T, D=D, BR=QUANT_ROWS, BD=bd)
+    return out
 
 
 def route(x: torch.Tensor, w_router: torch.Tensor, top_k: int
@@ -186,27 +284,27 @@ def route(x: torch.Tensor, w_router: torch.Tensor, top_k: int
     return ids, p_sel / p_sel.sum(dim=-1, keepdim=True)
 
 
-def expert_blocks(expert_ids: torch.Tensor, num_experts: int
+def expert_blocks(expert_ids: torch.Tensor, num_experts: int, bm: int = 16
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The (token, slot) pairs grouped by expert into blocks of BLOCK_M rows, on the device.
+    """The (token, slot) pairs grouped by expert into blocks of ``bm`` rows, on the device.
 
-    Returns (rows_of int32 [max_blocks * BLOCK_M]: the pair (token * k + slot) a block row holds, -1
-    for padding; block_expert int32 [max_blocks]: each block's expert, ``num_experts`` past the last
-    block). max_blocks = ceil(P / BLOCK_M) + min(P, E) bounds the block count for P pairs.
+    Returns (rows_of int32 [max_blocks * bm]: the pair (token * k + slot) a block row holds, -1 for
+    padding; block_expert int32 [max_blocks]: each block's expert, ``num_experts`` past the last
+    block). max_blocks = ceil(P / bm) + min(P, E) bounds the block count for P pairs.
     """
     flat = expert_ids.reshape(-1)
     P, dev = flat.numel(), flat.device
-    max_blocks = -(-P // BLOCK_M) + min(P, num_experts)
+    max_blocks = -(-P // bm) + min(P, num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
         0, flat, torch.ones_like(flat))  # bincount would read the maximum id on the host
-    blocks = (counts + BLOCK_M - 1) // BLOCK_M
+    blocks = (counts + bm - 1) // bm
     block_end = torch.cumsum(blocks, 0)
     first_pair = torch.cumsum(counts, 0) - counts
     order = torch.sort(flat, stable=True).indices
     e_sorted = flat[order]
     rank = torch.arange(P, device=dev) - first_pair[e_sorted]
-    dest = (block_end - blocks)[e_sorted] * BLOCK_M + rank
-    rows_of = torch.full((max_blocks * BLOCK_M,), -1, dtype=torch.int32, device=dev)
+    dest = (block_end - blocks)[e_sorted] * bm + rank
+    rows_of = torch.full((max_blocks * bm,), -1, dtype=torch.int32, device=dev)
     rows_of[dest] = order.to(torch.int32)
     block_expert = torch.searchsorted(block_end, torch.arange(max_blocks, device=dev),
                                       right=True).to(torch.int32)
@@ -218,30 +316,37 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 def routed_experts(x, expert_ids, weights, gate_packed, gate_sf, gate_gs, up_packed, up_sf, up_gs,
-                   down_packed, down_sf, down_gs, x_gs, h_gs) -> torch.Tensor:
-    """spec.ops.moe.moe_experts: the routed experts' weighted sum [T, C], bf16."""
+                   down_packed, down_sf, down_gs, x_gs, h_gs, shared=None, config=None
+                   ) -> torch.Tensor:
+    """spec.ops.moe.moe_experts: the routed experts' weighted sum [T, C], bf16; with ``shared`` (the
+    shared expert's bf16 output [T, C]) the op ``moe``'s sum ``bf16(routed + shared)`` instead.
+    ``config`` overrides the regime's CONFIGS entry per GEMM (the benchmark's sweep)."""
     T, C = x.shape
     k = expert_ids.shape[1]
     E, I = gate_packed.shape[0], gate_packed.shape[1]
+    if I % 16 or C % 16:
+        raise ValueError(f"nvfp4 blocks of 16: the widths C={C} and I={I} must be multiples of 16")
+    name, bm = regime(expert_ids.numel(), E)
+    cfg = {g: {**CONFIGS[name][g], **((config or {}).get(g) or {})} for g in ("gate_up", "down")}
+    gu, dn = cfg["gate_up"], cfg["down"]
     dev = x.device
-    rows_of, block_expert = expert_blocks(expert_ids, E)
+    rows_of, block_expert = expert_blocks(expert_ids, E, bm)
     n_blocks = block_expert.shape[0]
     xq = quantized_values(x, x_gs)
-    h = torch.zeros(n_blocks * BLOCK_M, I, dtype=torch.float32, device=dev)
-    _gate_up_kernel[(n_blocks, triton.cdiv(I, BLOCK_N))](
+    hq = torch.empty(n_blocks * bm, I, dtype=torch.bfloat16, device=dev)
+    _gate_up_kernel[(n_blocks, triton.cdiv(I, gu["BN"]))](
         xq, rows_of, block_expert, gate_packed, _bytes(gate_sf), gate_gs, up_packed, _bytes(up_sf),
-        up_gs, x_gs, h, E, K=C, I=I, TOP_K=k, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    hq = quantized_values(h, h_gs)
+        up_gs, x_gs, h_gs, hq, E, K=C, I=I, TOP_K=k, BM=bm, **gu)
     slot_out = torch.empty(T * k, C, dtype=torch.float32, device=dev)
-    _down_kernel[(n_blocks, triton.cdiv(C, BLOCK_N))](
+    _down_kernel[(n_blocks, triton.cdiv(C, dn["BN"]))](
         hq, rows_of, block_expert, down_packed, _bytes(down_sf), down_gs, h_gs, slot_out, E,
-        K=I, C=C, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K)
-    slot_out = slot_out.view(T, k, C)
-    w = weights.float()
-    out = torch.zeros(T, C, dtype=torch.float32, device=dev)
-    for j in range(k):  # slot order, as the spec sums
-        out = out + w[:, j, None] * slot_out[:, j]
-    return out.to(x.dtype)
+        K=I, C=C, BM=bm, **dn)
+    out = torch.empty(T, C, dtype=torch.bfloat16, device=dev)
+    bc = min(1024, triton.next_power_of_2(C))
+    _combine_kernel[(T, triton.cdiv(C, bc))](
+        slot_out, weights.float().contiguous(), shared if shared is not None else out, out, C=C,
+        TOP_K=k, HAS_SHARED=shared is not None, BC=bc, enable_fp_fusion=False)
+    return out
 
 
 def shared_expert(x, w_gate, w_up, w_down, w_sg) -> torch.Tensor:
@@ -269,7 +374,6 @@ def moe(x, w_router, top_k, gate_packed, gate_sf, gate_gs, up_packed, up_sf, up_
         down_sf, down_gs, x_gs, h_gs, w_gate, w_up, w_down, w_sg, *, out) -> None:
     """Op ``moe``: routing, the routed experts and the shared expert, added in fp32, cast once."""
     ids, weights = route(x, w_router, top_k)
-    routed = routed_experts(x, ids, weights, gate_packed, gate_sf, gate_gs, up_packed, up_sf,
-                            up_gs, down_packed, down_sf, down_gs, x_gs, h_gs)
     shared = shared_expert(x, w_gate, w_up, w_down, w_sg)
-    out.copy_((routed.float() + shared.float()).to(x.dtype))
+    out.copy_(routed_experts(x, ids, weights, gate_packed, gate_sf, gate_gs, up_packed, up_sf,
+                             up_gs, down_packed, down_sf, down_gs, x_gs, h_gs, shared=shared))
