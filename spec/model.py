@@ -264,50 +264,68 @@ class Weights:
 
 
 class _Draw:
-    """Seeded draws, always in float64 on the CPU from one generator (so fp32 and float64 weights of
-    one seed are the same model), or empty meta tensors."""
+    """Seeded draws: in float64 on the CPU from one generator (so fp32 and float64 weights of one
+    seed are the same model), empty tensors on meta, or, on another device, fp32 draws from that
+    device's own generator (another model than the CPU's for the same seed: a benchmark's weights at
+    the target's size, drawn where they are used)."""
 
     def __init__(self, seed: int, device: torch.device):
-        self.gen = torch.Generator().manual_seed(seed)
         self.meta = device.type == "meta"
+        self.on_host = device.type == "cpu"
+        self.gen = torch.Generator(device if not (self.meta or self.on_host) else "cpu")
+        self.gen.manual_seed(seed)
         self.device = device
+
+    def _randn(self, shape: tuple[int, ...]) -> torch.Tensor:
+        if self.on_host:
+            return torch.randn(shape, generator=self.gen, dtype=torch.float64)
+        return torch.randn(shape, generator=self.gen, dtype=torch.float32, device=self.device)
 
     def normal(self, shape: tuple[int, ...], std: float, dtype: torch.dtype, mean: float = 0.0
                ) -> torch.Tensor:
         if self.meta:
             return torch.empty(shape, dtype=dtype, device=self.device)
-        x = torch.randn(shape, generator=self.gen, dtype=torch.float64) * std + mean
+        x = self._randn(shape) * std + mean
         return x.to(dtype=dtype, device=self.device)
 
     def uniform(self, shape: tuple[int, ...], lo: float, hi: float) -> torch.Tensor:
-        """float64 CPU draws in [lo, hi) (callers transform and cast); zeros on meta."""
+        """float64 draws in [lo, hi) (callers transform and cast); zeros on meta."""
         if self.meta:
             return torch.zeros(shape, dtype=torch.float64, device=self.device)
-        return torch.rand(shape, generator=self.gen, dtype=torch.float64) * (hi - lo) + lo
+        dev = None if self.on_host else self.device
+        return torch.rand(shape, generator=self.gen, dtype=torch.float64, device=dev) * (hi - lo) + lo
 
     def nvfp4(self, shape: tuple[int, int, int], std: float) -> NvFp4Weight:
         """A stack of NVFP4 matrices [E, out, in], quantised from fp32 draws (the same codes for any
-        model dtype); empty containers of the right shapes on meta."""
+        model dtype); empty containers of the right shapes on meta. On the CPU each matrix has its
+        own global scale; on another device the stack shares one (a single quantizer call)."""
         e, out, inp = shape
         if self.meta:
             return NvFp4Weight(torch.empty(e, out, inp // 2, dtype=torch.uint8, device=self.device),
                                torch.empty(e, out, inp // NVFP4_BLOCK, dtype=FP8_DTYPE,
                                            device=self.device),
                                torch.empty(e, dtype=torch.float32, device=self.device))
-        dense = torch.randn(shape, generator=self.gen, dtype=torch.float64) * std
-        return NvFp4Weight.from_dense(dense.to(torch.float32))
+        dense = (self._randn(shape) * std).to(torch.float32)
+        if self.on_host:
+            return NvFp4Weight.from_dense(dense)
+        gs = nvfp4_global_scale(dense.abs().max().double())
+        packed, sf = nvfp4_quantize(dense, gs)
+        del dense
+        return NvFp4Weight(packed, sf, gs.reshape(1).expand(e).contiguous())
 
     def scalar_fp32(self, value: float | torch.Tensor) -> torch.Tensor:
         if self.meta:
             return torch.empty((), dtype=torch.float32, device=self.device)
-        return torch.as_tensor(value, dtype=torch.float32)
+        return torch.as_tensor(value, dtype=torch.float32, device=self.device)
 
 
 def init_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> Weights:
     """Seeded random weights of the model at ``cfg`` (dense weights in ``dtype``).
 
-    device 'cpu' draws values; device 'meta' builds every tensor with its shape and dtype only. Scales:
+    device 'cpu' draws values; device 'meta' builds every tensor with its shape and dtype only; another
+    device (cuda) draws there, from its own generator in fp32 (``_Draw``: another model than the CPU's
+    for one seed, for benchmarks at the target's size). Scales:
     projections N(0, 1/fan_in); embedding N(0, 1); zero-centred rmsnorm weights N(0, 0.1^2) (MATH.md
     initialises them to 0; small noise makes a dropped or swapped weight visible); gated-norm weight
     1 + N(0, 0.1^2); A_log = log U(1, 16); dt_bias = softplus^-1 of a log-uniform dt in [1e-3, 0.1];
@@ -317,8 +335,6 @@ def init_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.flo
     64-bit numbers drawn from ``seed``; the primes come from the config.
     """
     device = torch.device(device)
-    if device.type not in ("cpu", "meta"):
-        raise ValueError(f"init_weights draws on 'cpu' or builds on 'meta', got {device}")
     d = _Draw(seed, device)
     small = torch.float64 if dtype == torch.float64 else torch.float32  # the fp32 parameters
     C, V, L, P, n = cfg.hidden, cfg.vocab_size, cfg.num_layers, cfg.ple_dim, cfg.hc_streams
@@ -334,7 +350,7 @@ def init_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.flo
         phi = d.normal((n * C, width), 0.5 / math.sqrt(n * C), small)
         bias = d.normal((width,), 0.1, torch.float64)
         if not d.meta:
-            bias[2 * n:] += 2.0 * torch.eye(n, dtype=torch.float64).flatten()
+            bias[2 * n:] += 2.0 * torch.eye(n, dtype=torch.float64, device=bias.device).flatten()
         return HCSiteWeights(phi, bias.to(small))
 
     def gdn() -> GDNWeights:

@@ -1,0 +1,172 @@
+"""Benchmark the engine's decode at the target's geometry: tokens per second against the bytes floor.
+
+Run on the GPU machine from the repository root:
+    python3 bench/engine.py [--layers N] [--batch 1,8,32] [--kv bf16] [--peer] [--out DIR]
+It writes ``engine.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
+Weights are drawn on the device (spec.model.init_weights: fp32 draws from the device's generator,
+one nvfp4 global scale per expert stack), so the 48-layer model needs no host copy. ``--layers``
+keeps the first N layers (the layer rule unchanged) where the whole model does not fit or a quick
+figure is enough. ``--model tiny --device cpu`` runs the same script on the CPU's tiny model.
+
+Per batch size B: B random prompts of ``--prompt-len`` tokens, greedy. Decode time is the difference
+between a run to ``--new-tokens`` tokens and a run to one token (the same prompts; both after a warm
+run that compiles every kernel), over B x (new - 1) tokens. The floor is the bytes one decode step
+must move (``decode_step_bytes``) over the device-to-device copy bandwidth measured in the same run.
+``--peer`` also times the reference variants (batch-invariant mode: the spec's low-precision path on
+the device) at the first batch size, 4 new tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime as dt
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from impl.model.admission import Request  # noqa: E402
+from impl.model.engine import Engine  # noqa: E402
+from impl.model.engine_config import EngineConfig  # noqa: E402
+from spec.config import ModelConfig  # noqa: E402
+from spec.model import init_weights  # noqa: E402
+from spec.ops.kv_storage import NVFP4_BLOCK  # noqa: E402
+
+BF16 = 2
+
+
+def distinct_experts(cfg: ModelConfig, rows: int) -> float:
+    """Expected distinct experts ``rows`` tokens select in one layer under uniform routing (the
+    random weights' router is close to uniform): E (1 - (1 - k / E)^rows)."""
+    E, k = cfg.num_experts, cfg.moe_top_k
+    return E * (1.0 - (1.0 - k / E) ** rows)
+
+
+def decode_step_bytes(cfg: ModelConfig, rows: int, context: int, kv: str, state: str) -> dict:
+    """Bytes one decode step of ``rows`` requests at ``context`` tokens must move, by part: every
+    dense weight once (bf16), the routed experts the rows select (nvfp4 codes + e4m3 block scales),
+    each row's gathered embedding and PLE rows, the KV the sparse attention selects plus the index
+    keys it scores (every context token), the GDN state read and written, the fp32 logits written.
+    The MTP layer is left out (plain decoding)."""
+    p = cfg.param_breakdown()
+    L, C, V, P = cfg.num_layers, cfg.hidden, cfg.vocab_size, cfg.ple_dim
+    routed_per_layer = cfg.num_experts * 3 * cfg.expert_inter * C
+    dense = (p["lm_head"] + p["final_norm"] + p["gdn_mixers"] + p["qsa_mixers"] + p["hc_and_norms"]
+             + p["ple_projections"] + p["moe"] - L * routed_per_layer)
+    per_expert = 3 * cfg.expert_inter * C * (1 / 2 + 1 / NVFP4_BLOCK)
+    selected = min(context, (cfg.top_k_blocks + cfg.sink_blocks + cfg.local_blocks)
+                   * cfg.tokens_per_block)
+    ngram_rows = len(cfg.ple_ngram_orders) * cfg.ple_hash_heads
+    gathered = C + L * P + ngram_rows * (L * P // cfg.ple_num_heads)
+    return {
+        "dense weights": dense * BF16,
+        "routed experts": L * distinct_experts(cfg, rows) * per_expert,
+        "embedding + PLE rows": rows * gathered * BF16,
+        "KV selected + index keys": cfg.num_qsa_layers * rows * (
+            selected * cfg.kv_bytes_per_token_per_layer(kv)
+            + context * cfg.qsa_side_plane_bytes_per_token()),
+        "GDN state r+w": 2 * rows * cfg.gdn_state_bytes_per_slot(state),
+        "logits": rows * V * 4,
+    }
+
+
+def _requests(cfg: ModelConfig, rows: int, prompt_len: int, new: int, seed: int) -> list[Request]:
+    gen = torch.Generator().manual_seed(seed)
+    return [Request(request_id=f"r{i}", max_new_tokens=new,
+                    prompt=tuple(torch.randint(0, cfg.vocab_size, (prompt_len,),
+                                               generator=gen).tolist()))
+            for i in range(rows)]
+
+
+def _engine(cfg, weights, args, rows: int, invariant: bool = False) -> Engine:
+    config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv,
+                          state_dtype=args.state, max_batch_size=rows,
+                          max_num_tokens=max(rows, min(8192, rows * args.prompt_len)),
+                          max_seq_len=args.prompt_len + args.new_tokens + 8,
+                          batch_invariant=invariant)
+    return Engine(config, weights, cfg=cfg)
+
+
+def decode_seconds(engine: Engine, cfg, rows: int, prompt_len: int, new: int) -> float:
+    """Seconds of the decode steps: a run to ``new`` tokens minus a run to one (same prompts)."""
+    one = engine.generate(_requests(cfg, rows, prompt_len, 1, seed=1)).seconds
+    full = engine.generate(_requests(cfg, rows, prompt_len, new, seed=1)).seconds
+    return max(full - one, 1e-9)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", choices=("target", "tiny"), default="target")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--batch", default="1,8,32")
+    ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8", "nvfp4"))
+    ap.add_argument("--state", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--new-tokens", type=int, default=17)
+    ap.add_argument("--peer", action="store_true")
+    ap.add_argument("--out", default="reports/bench")
+    args = ap.parse_args()
+    cfg = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.target()
+    if args.layers:
+        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+    cuda = args.device.startswith("cuda")
+    t0 = time.perf_counter()
+    weights = init_weights(cfg, seed=0, dtype=torch.bfloat16, device=args.device)
+    if cuda:
+        torch.cuda.synchronize()
+    drawn = time.perf_counter() - t0
+    if cuda:
+        from bench_common import copy_bandwidth  # noqa: PLC0415
+        bw = copy_bandwidth()
+        where = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
+                 f"{bw / 1e9:.0f} GB/s (read + write); weights drawn in {drawn:.0f} s, "
+                 f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB held")
+    else:
+        bw = None
+        where = f"CPU, torch {torch.__version__}; weights drawn in {drawn:.1f} s (no floor on the CPU)"
+    lines = [f"# Engine decode, {args.model} geometry with {cfg.num_layers} layers "
+             f"({dt.date.today()})", "", where + ".", "",
+             f"{args.prompt_len}-token random prompts, greedy, {args.new_tokens} new tokens, KV "
+             f"{args.kv}, state {args.state}; decode time = run to {args.new_tokens} tokens minus "
+             "run to 1.", "",
+             "| batch | decode tokens/s | step ms | floor MB | floor ms | % of floor | "
+             "largest floor part |",
+             "|---|---|---|---|---|---|---|"]
+    batches = [int(b) for b in args.batch.split(",")]
+    context = args.prompt_len + args.new_tokens // 2
+    for rows in batches:
+        engine = _engine(cfg, weights, args, rows)
+        engine.generate(_requests(cfg, rows, args.prompt_len, 2, seed=0))   # compiles
+        seconds = decode_seconds(engine, cfg, rows, args.prompt_len, args.new_tokens)
+        steps = args.new_tokens - 1
+        step_ms = seconds / steps * 1e3
+        parts = decode_step_bytes(cfg, rows, context, args.kv, args.state)
+        total = sum(parts.values())
+        big = max(parts, key=parts.get)
+        floor = f"{total / bw * 1e3:.2f}" if bw else "-"
+        share = f"{100 * total / bw / (seconds / steps):.1f} %" if bw else "-"
+        lines.append(f"| {rows} | {rows * steps / seconds:.1f} | {step_ms:.1f} | {total / 1e6:.0f} | "
+                     f"{floor} | {share} | {big} {100 * parts[big] / total:.0f} % |")
+        print(lines[-1], flush=True)
+        del engine
+    if args.peer:
+        rows = batches[0]
+        engine = _engine(cfg, weights, args, rows, invariant=True)
+        engine.generate(_requests(cfg, rows, args.prompt_len, 2, seed=0))
+        seconds = decode_seconds(engine, cfg, rows, args.prompt_len, 5)
+        lines += ["", f"Peer (reference variants, batch-invariant mode) at batch {rows}: "
+                  f"{rows * 4 / seconds:.2f} decode tokens/s, {seconds / 4 * 1e3:.0f} ms a step."]
+        print(lines[-1], flush=True)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
