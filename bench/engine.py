@@ -19,7 +19,6 @@ the device) at the first batch size, 4 new tokens.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import datetime as dt
 import sys
 import time
@@ -114,7 +113,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.target()
     if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
+        cfg = ModelConfig(**{**cfg.model_dump(), "num_layers": args.layers})
     cuda = args.device.startswith("cuda")
     t0 = time.perf_counter()
     weights = init_weights(cfg, seed=0, dtype=torch.bfloat16, device=args.device)

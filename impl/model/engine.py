@@ -130,7 +130,7 @@ class Engine:
                  plan: RoutePlan | None = None, log_calls: bool = False):
         # The engine dispatches for its configured device (a CPU engine on a GPU machine runs the
         # CPU variants); the weights must already live there.
-        ctx = default_context(config)
+        ctx = default_context(config, cfg)              # the rules read the geometry served
         self.plan = plan or route(config, ctx)          # refuses before anything is built
         if weights.device.type != config.device:
             raise ValueError(f"the weights are on {weights.device.type}; the configuration's device "

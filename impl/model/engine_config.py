@@ -135,12 +135,13 @@ def _project_catalog() -> Catalog:
     return load_catalog(project_paths().cells)
 
 
-def default_context(config: EngineConfig) -> RuleContext:
-    """The rules' context on this machine: the arch is the configured device's (a CUDA device's
-    compute capability, ``cpu`` for the CPU, and ``cpu`` for cuda on a machine without a GPU, which
-    the rule ``device_present`` refuses)."""
+def default_context(config: EngineConfig, model: ModelConfig | None = None) -> RuleContext:
+    """The rules' context on this machine: the geometry served (``model``, a checkpoint's, or the
+    preset's), and the configured device's arch (a CUDA device's compute capability, ``cpu`` for
+    the CPU, and ``cpu`` for cuda on a machine without a GPU, which the rule ``device_present``
+    refuses)."""
     arch = (cuda_arch() or "cpu") if config.device == "cuda" else "cpu"
-    return RuleContext(config.model_geometry(), _project_catalog(), arch)
+    return RuleContext(model or config.model_geometry(), _project_catalog(), arch)
 
 
 @dataclass(frozen=True)

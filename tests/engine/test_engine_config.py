@@ -278,3 +278,23 @@ def test_cli_generate_from_a_checkpoint(tmp_path, capsys):
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "3 tokens in" in out and "gdn_decode=spec_lowp" in out
+
+
+def test_the_engine_routes_on_the_geometry_it_serves():
+    """A checkpoint's geometry, not the preset's, decides the rules: a tiny model without an MTP
+    layer is refused speculation when the engine is built, though the tiny preset has one."""
+    import torch
+
+    from impl.model.engine import Engine
+    from spec.config import ModelConfig
+    from spec.model import init_weights
+
+    cfg = ModelConfig(**{**ModelConfig.tiny().model_dump(), "mtp_layers": 0})
+    weights = init_weights(cfg, seed=0, dtype=torch.bfloat16)
+    config = EngineConfig(model="tiny", max_batch_size=2, max_num_tokens=64, max_seq_len=64,
+                          speculative=spec(3))
+    assert route(config)   # the preset alone is accepted
+    with pytest.raises(ConfigRefused) as e:
+        Engine(config, weights, cfg=cfg)
+    assert [r.rule for r in e.value.refusals] == ["draft_length_within_model"]
+    assert "mtp_layers=0" in str(e.value)
