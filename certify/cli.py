@@ -1,4 +1,9 @@
-"""The ``certify`` command."""
+"""certify: certify an implementation against its executable spec, cell by cell.
+
+Cells (certify/cells/*.yaml) name the shapes and layouts each op's forward reaches; run certifies
+them against the spec and writes receipts, verify re-runs receipts, trace records what the
+model's scenarios reach, lists plans the pre-merge / post-merge / on-demand test lists from cost
+budgets, gates runs the accuracy gates, and report does what is outdated, then writes reports/."""
 
 from __future__ import annotations
 

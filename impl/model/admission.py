@@ -46,6 +46,8 @@ class Request(BaseModel):
     max_new_tokens: int = 16
     sampling: SamplingParams = SamplingParams()
     draft_length: int | None = None
+    # Generation ends at the first of these tokens (kept in the output), or at max_new_tokens.
+    stop_token_ids: tuple[int, ...] = ()
 
 
 class RequestRejected(ValueError):
@@ -85,6 +87,9 @@ def validate_request(request: Request, model_config: ModelConfig, engine_config:
     for i, t in enumerate(request.prompt):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
             reject("prompt", f"token {i} is {t!r}, not a token id in 0..{vocab - 1}")
+    for i, t in enumerate(request.stop_token_ids):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            reject("stop_token_ids", f"entry {i} is {t!r}, not a token id in 0..{vocab - 1}")
     s = request.sampling
     if s.temperature != 0:
         reject("sampling.temperature",

@@ -56,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--random-prompts", type=int, default=0, help="this many random prompts")
     g.add_argument("--prompt-len", type=int, default=64)
     g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--stop-token", type=int, action="append", default=[],
+                   help="a token id that ends a request's output (repeatable; the tiny "
+                        "checkpoint's tasks end every answer with END = 3)")
     return p
 
 
@@ -92,8 +95,16 @@ def _generate(args, config: EngineConfig) -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}[config.model_dtype]
     if args.checkpoint:
-        from impl.model.checkpoint import load_checkpoint
-        ckpt = load_checkpoint(args.checkpoint, dtype=dtype)
+        from impl.model.checkpoint import CheckpointError, load_checkpoint
+        try:
+            ckpt = load_checkpoint(args.checkpoint, dtype=dtype)
+        except FileNotFoundError:
+            print(f"--checkpoint {args.checkpoint}: no such file (train one with "
+                  "`python -m impl.train.train_tiny`, or use --random-weights)")
+            return 2
+        except CheckpointError as err:
+            print(err)
+            return 2
         weights, cfg = ckpt.weights, ckpt.cfg
     else:
         if config.model != "tiny":
@@ -109,7 +120,8 @@ def _generate(args, config: EngineConfig) -> int:
     if not prompts:
         print("no prompt: give --prompt TEXT or --random-prompts N")
         return 2
-    requests = [Request(request_id=f"req{i}", prompt=p, max_new_tokens=args.max_new_tokens)
+    requests = [Request(request_id=f"req{i}", prompt=p, max_new_tokens=args.max_new_tokens,
+                        stop_token_ids=tuple(args.stop_token))
                 for i, p in enumerate(prompts)]
     try:
         if config.device != "cpu":

@@ -309,9 +309,13 @@ class Engine:
     def _emit(self, seq: Sequence, tokens: list[int], emitted: dict[str, list[int]]) -> None:
         room = seq.request.max_new_tokens - len(seq.output)
         tokens = tokens[:room]
+        stops = seq.request.stop_token_ids
+        stop_at = next((i for i, t in enumerate(tokens) if t in stops), None)
+        if stop_at is not None:
+            tokens = tokens[:stop_at + 1]   # the stop token ends the output; later ones are dropped
         seq.output += tokens
         emitted.setdefault(seq.request.request_id, []).extend(tokens)
-        if len(seq.output) >= seq.request.max_new_tokens:
+        if stop_at is not None or len(seq.output) >= seq.request.max_new_tokens:
             seq.done = True
         elif tokens:
             seq.pending = tokens[-1]

@@ -4,8 +4,8 @@ Reserved ids (none of them is printable, so no task text contains them):
 - ``PAD = 0``: the config's ``pad_id``. The PLE n-gram history starts at ``[PAD, PAD]`` and training
   batches are right-padded with it; no prompt or answer ever contains it.
 - ``BOS = 1``: starts every prompt, so position 0 (inside the QSA sink block) is always the same token.
-- ``END = 3``: ends every answer. The engine has no stop tokens (it generates ``max_new_tokens``), so
-  scoring reads a generation up to its first ``END``. Training targets repeat ``END`` after the answer
+- ``END = 3``: ends every answer. Scoring reads a generation up to its first ``END`` (the gates
+  generate ``max_new_tokens``; a request may also stop at it, ``Request.stop_token_ids``). Training targets repeat ``END`` after the answer
   (``END_REPEAT`` times), so a generation past its answer keeps emitting ``END`` and the draft layer
   learns to predict it: a verify step that straddles the end of an answer is not penalised for it.
 

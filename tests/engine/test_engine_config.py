@@ -298,3 +298,14 @@ def test_the_engine_routes_on_the_geometry_it_serves():
         Engine(config, weights, cfg=cfg)
     assert [r.rule for r in e.value.refusals] == ["draft_length_within_model"]
     assert "mtp_layers=0" in str(e.value)
+
+
+def test_cli_generate_names_a_missing_or_damaged_checkpoint(tmp_path, capsys):
+    missing = tmp_path / "absent.safetensors"
+    assert cli.main(["generate", "--checkpoint", str(missing), "--prompt", "a"]) == 2
+    out = capsys.readouterr().out
+    assert f"--checkpoint {missing}: no such file" in out and "Traceback" not in out
+    damaged = tmp_path / "damaged.safetensors"
+    damaged.write_bytes(b"not a safetensors file")
+    assert cli.main(["generate", "--checkpoint", str(damaged), "--prompt", "a"]) == 2
+    assert f"checkpoint {damaged}: not a readable safetensors file" in capsys.readouterr().out
