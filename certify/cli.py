@@ -44,13 +44,20 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_report(args: argparse.Namespace) -> int:
     paths = project_paths()
     catalog = load_catalog(paths.cells)
+    did = "rendered from the receipts as they are (--no-run)"
     if not args.no_run:
         chosen = select(catalog, args.op, None, None, only_outdated=not args.all,
                         receipts_dir=paths.receipts)
+        archs = ", ".join(present_archs())
         if chosen:
-            print(f"certifying {len(chosen)} outdated or missing cell(s) on "
-                  f"{', '.join(present_archs())} ...", file=sys.stderr)
-            run_targets(chosen, paths.receipts)
+            print(f"certifying {len(chosen)} outdated or missing cell(s) on {archs} ...",
+                  file=sys.stderr)
+            made = run_targets(chosen, paths.receipts)
+            passed = sum(r.status == "passed" for r in made)
+            did = (f"certified {len(made)} outdated or missing target(s) on {archs}: {passed} "
+                   f"passed, {len(made) - passed} not passed")
+        else:
+            did = f"nothing outdated on {archs}: every receipt here is fresh"
     if not args.op and not catalog.errors:  # the whole catalog is known: receipts of gone targets go
         live = {(t.arch, t.op.op, t.variant.name, t.cell.id)
                 for op in catalog.ops.values() for t in targets(op)}
@@ -64,7 +71,9 @@ def _cmd_report(args: argparse.Namespace) -> int:
     if extras:
         print("\n" + "\n".join(extras))
     written = write_reports(paths.reports, catalog, rows, extras, reach)
-    print(f"\nwrote {len(written)} report file(s) under {paths.reports.relative_to(paths.root)}/")
+    shown = (paths.reports.relative_to(paths.root) if paths.reports.is_relative_to(paths.root)
+             else paths.reports)
+    print(f"\n{did}; wrote {len(written)} report file(s) under {shown}/")
     failed = any(s == "failed" for r in rows for s in r.status.values())
     return 1 if (failed or catalog.errors) and args.strict else 0
 

@@ -45,6 +45,9 @@ def _parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     e = sub.add_parser("explain", help="explain why a configuration is accepted or refused")
     _config_options(e, "target")
+    e.add_argument("--arch", default=None,
+                   help="explain for this arch instead of this machine's (e.g. sm_90 with --device "
+                        "cuda: what the GPU would run, asked on any machine)")
     g = sub.add_parser("generate", help="greedy generation with a progress display")
     _config_options(g, "tiny")
     src = g.add_mutually_exclusive_group(required=True)
@@ -163,8 +166,17 @@ def main(argv: list[str] | None = None) -> int:
         return _refused_fields(err)
     if args.command == "generate":
         return _generate(args, config)
-    print(explain(config))
-    return 2 if check(config) else 0
+    ctx = None
+    if args.arch:
+        from impl.model.engine_config import RuleContext, _project_catalog
+        catalog = _project_catalog()
+        known = sorted({a for op in catalog.ops.values() for v in op.variants for a in v.archs})
+        if args.arch not in known:
+            print(f"--arch {args.arch}: no variant runs there; the catalog's archs are {known}")
+            return 2
+        ctx = RuleContext(config.model_geometry(), catalog, args.arch)
+    print(explain(config, ctx))
+    return 2 if check(config, ctx) else 0
 
 
 if __name__ == "__main__":

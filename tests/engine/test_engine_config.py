@@ -309,3 +309,13 @@ def test_cli_generate_names_a_missing_or_damaged_checkpoint(tmp_path, capsys):
     damaged.write_bytes(b"not a safetensors file")
     assert cli.main(["generate", "--checkpoint", str(damaged), "--prompt", "a"]) == 2
     assert f"checkpoint {damaged}: not a readable safetensors file" in capsys.readouterr().out
+
+
+def test_explain_answers_for_another_arch(capsys):
+    """A reviewer on a CPU machine asks what the H200 would run."""
+    assert cli.main(["explain", "--device", "cuda", "--arch", "sm_90", "--draft-length", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "arch: sm_90" in out and "variants on sm_90:" in out
+    assert "\n  moe: triton (dispatch at" in out
+    assert cli.main(["explain", "--arch", "sm_75"]) == 2
+    assert "--arch sm_75: no variant runs there" in capsys.readouterr().out

@@ -127,3 +127,19 @@ def test_numpy_blas_kernel_family_decides_comparability(family):
         assert not_comparable(here["versions"], there["versions"]) is not None
     same_family = here["versions"]["numpy_blas"] == there["versions"]["numpy_blas"]
     assert same_family == (not_comparable(here["versions"], there["versions"]) is None)
+
+
+def test_the_report_says_what_it_certified(tmp_path: Path, monkeypatch, capsys):
+    """``certify report`` states what it did: the targets it certified, or that nothing was
+    outdated (here on one op, into scratch receipts and reports)."""
+    from certify import cli
+
+    paths = project_paths()
+    monkeypatch.setattr(cli, "project_paths", lambda: type(paths)(**{
+        **paths.__dict__, "receipts": tmp_path / "receipts", "reports": tmp_path / "reports"}))
+    monkeypatch.setattr(cli, "present_archs", lambda: ["cpu"])
+    assert main(["report", "--op", OP]) == 0
+    first = capsys.readouterr().out
+    assert "certified 3 outdated or missing target(s) on cpu: 3 passed, 0 not passed" in first
+    assert main(["report", "--op", OP]) == 0
+    assert "nothing outdated on cpu: every receipt here is fresh" in capsys.readouterr().out
