@@ -289,14 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
     r.set_defaults(fn=_cmd_report)
     c = sub.add_parser("run", help="certify cells and write receipts")
-    c.add_argument("--op", action="append")
-    c.add_argument("--tier", action="append", choices=TIERS)
+    c.add_argument("--op", action="append", help="only this op (repeatable; default: every op)")
+    c.add_argument("--tier", action="append", choices=TIERS,
+                   help="only cells of this tier (repeatable; default: every tier)")
     c.add_argument("--arch", action="append", help="default: every arch this machine has")
     c.add_argument("--outdated", action="store_true", help="skip targets with a fresh receipt")
     c.add_argument("--dry-run", action="store_true", help="run, but write no receipts")
     c.set_defaults(fn=_cmd_run)
     v = sub.add_parser("verify", help="re-run receipts and compare their digests, metrics and status")
-    v.add_argument("--op", action="append")
+    v.add_argument("--op", action="append", help="only this op's receipts (repeatable)")
     v.add_argument("--arch", action="append", help="default: every arch this machine has")
     v.add_argument("--budget", type=float, default=None, metavar="S",
                    help="re-run the cheapest receipts whose recorded seconds fit in S")

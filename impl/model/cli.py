@@ -22,20 +22,37 @@ from impl.model.engine_config import EngineConfig, SpeculativeConfig, check, exp
 
 
 def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
-    e.add_argument("--preset", default=preset, help="model preset: target | tiny")
-    e.add_argument("--device", default="cpu", help="cpu | cuda")
-    e.add_argument("--model-dtype", default="bf16")
-    e.add_argument("--kv-dtype", default="bf16")
-    e.add_argument("--state-dtype", default="fp32")
-    e.add_argument("--moe-backend", default="torch")
-    e.add_argument("--max-batch-size", type=int, default=8)
-    e.add_argument("--max-num-tokens", type=int, default=8192)
-    e.add_argument("--max-seq-len", type=int, default=131072)
-    e.add_argument("--no-chunked-prefill", action="store_true")
-    e.add_argument("--block-reuse", action="store_true")
-    e.add_argument("--draft-length", type=int, default=None, help="enables MTP speculation")
-    e.add_argument("--dynamic-draft-length", action="store_true")
-    e.add_argument("--index-share", action="store_true")
+    """The EngineConfig fields as options; the choices are the config's own value sets (values the
+    config admits but a rule refuses, such as fp16 state, stay choices: ``explain`` says why)."""
+    from typing import get_args
+
+    from impl.model import engine_config as ec
+
+    def choice(name: str, kind, default: str, what: str) -> None:
+        e.add_argument(name, default=default, choices=get_args(kind), help=f"{what} (default {default})")
+
+    choice("--preset", ec.ModelPreset, preset, "model geometry")
+    choice("--device", ec.Device, "cpu", "where the engine runs")
+    choice("--model-dtype", ec.ModelDtype, "bf16", "weights and activations")
+    choice("--kv-dtype", ec.KvCacheDtype, "bf16", "paged K/V storage")
+    choice("--state-dtype", ec.StateDtype, "fp32", "GDN recurrent-state pool")
+    choice("--moe-backend", ec.MoeBackend, "torch", "routed-expert kernels")
+    e.add_argument("--max-batch-size", type=int, default=8, help="request slots (default 8)")
+    e.add_argument("--max-num-tokens", type=int, default=8192,
+                   help="rows a step may run, prompt chunks included (default 8192)")
+    e.add_argument("--max-seq-len", type=int, default=131072,
+                   help="prompt + output + draft positions a request may hold (default 131072)")
+    e.add_argument("--no-chunked-prefill", action="store_true",
+                   help="run each prompt as one context step")
+    e.add_argument("--block-reuse", action="store_true",
+                   help="EngineConfig.enable_block_reuse: read by the rules only; the engine does "
+                        "not share KV pages between requests yet")
+    e.add_argument("--draft-length", type=int, default=None,
+                   help="MTP speculation with this many draft tokens a step (1..7; default off)")
+    e.add_argument("--dynamic-draft-length", action="store_true",
+                   help="let the draft length change at run time (refused: see explain)")
+    e.add_argument("--index-share", action="store_true",
+                   help="draft rows reuse the trunk's last QSA selection")
     e.add_argument("--batch-invariant", action="store_true",
                    help="run every op's reference variant (bitwise equal to spec/model.py)")
 
@@ -54,11 +71,14 @@ def _parser() -> argparse.ArgumentParser:
     src.add_argument("--checkpoint", help="a safetensors checkpoint (docs/checkpoint.md)")
     src.add_argument("--random-weights", action="store_true",
                      help="seeded random weights (tiny preset only)")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the random weights and random prompts (default 0)")
     g.add_argument("--prompt", action="append", default=[], help="a prompt text (repeatable)")
     g.add_argument("--random-prompts", type=int, default=0, help="this many random prompts")
-    g.add_argument("--prompt-len", type=int, default=64)
-    g.add_argument("--max-new-tokens", type=int, default=32)
+    g.add_argument("--prompt-len", type=int, default=64,
+                   help="tokens of each random prompt (default 64)")
+    g.add_argument("--max-new-tokens", type=int, default=32,
+                   help="tokens generated a request at most (default 32)")
     g.add_argument("--stop-token", type=int, action="append", default=[],
                    help="a token id that ends a request's output (repeatable; the tiny "
                         "checkpoint's tasks end every answer with END = 3)")

@@ -319,3 +319,13 @@ def test_explain_answers_for_another_arch(capsys):
     assert "\n  moe: triton (dispatch at" in out
     assert cli.main(["explain", "--arch", "sm_75"]) == 2
     assert "--arch sm_75: no variant runs there" in capsys.readouterr().out
+
+
+def test_cli_options_offer_the_configs_own_values(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["explain", "--kv-dtype", "int4"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "invalid choice: 'int4'" in err and "'nvfp4'" in err
+    assert cli.main(["explain", "--state-dtype", "fp16"]) == 2   # admitted, then refused by a rule
+    assert "REFUSED by 1 rule(s): state_dtype_supported" in capsys.readouterr().out
