@@ -27,7 +27,6 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from impl.model.admission import Request  # noqa: E402
 from impl.model.engine import Engine  # noqa: E402

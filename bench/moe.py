@@ -145,7 +145,7 @@ def _profile(router, experts, shared, kw, gen, out_dir: Path) -> None:
         x = (torch.randn(T, C, device="cuda", generator=gen)).bfloat16()
         out = torch.empty_like(x)
         ids, w = m.route(x, router, K)
-        name, bm = m.regime(ids.numel(), E)
+        regime_name, bm = m.regime(ids.numel(), E)
         rows_of, block_expert = m.expert_blocks(ids, E, bm)
         stages = {
             "route": lambda: m.route(x, router, K),
@@ -156,7 +156,7 @@ def _profile(router, experts, shared, kw, gen, out_dir: Path) -> None:
                                                      shared.w_sg),
             "moe": lambda: m.moe(x, router, K, **kw, out=out),
         }
-        text.append(f"## {label}: config {name}, {block_expert.numel()} blocks of {bm} rows")
+        text.append(f"## {label}: config {regime_name}, {block_expert.numel()} blocks of {bm} rows")
         for name, fn in stages.items():
             text.append(f"  {name:16s} {bench(fn):10.1f} us")
         base = m.routed_experts(x, ids, w, **ekw).float()

@@ -18,7 +18,8 @@ import sys
 
 from pydantic import ValidationError
 
-from impl.model.engine_config import EngineConfig, SpeculativeConfig, check, explain
+from impl.model.engine_config import (EngineConfig, SpeculativeConfig, check, default_context,
+                                      explain)
 
 
 def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
@@ -186,15 +187,12 @@ def main(argv: list[str] | None = None) -> int:
         return _refused_fields(err)
     if args.command == "generate":
         return _generate(args, config)
-    ctx = None
+    ctx = default_context(config, arch=args.arch)
     if args.arch:
-        from impl.model.engine_config import RuleContext, _project_catalog
-        catalog = _project_catalog()
-        known = sorted({a for op in catalog.ops.values() for v in op.variants for a in v.archs})
+        known = sorted({a for op in ctx.catalog.ops.values() for v in op.variants for a in v.archs})
         if args.arch not in known:
             print(f"--arch {args.arch}: no variant runs there; the catalog's archs are {known}")
             return 2
-        ctx = RuleContext(config.model_geometry(), catalog, args.arch)
     print(explain(config, ctx))
     return 2 if check(config, ctx) else 0
 

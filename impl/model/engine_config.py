@@ -135,12 +135,14 @@ def _project_catalog() -> Catalog:
     return load_catalog(project_paths().cells)
 
 
-def default_context(config: EngineConfig, model: ModelConfig | None = None) -> RuleContext:
-    """The rules' context on this machine: the geometry served (``model``, a checkpoint's, or the
-    preset's), and the configured device's arch (a CUDA device's compute capability, ``cpu`` for
-    the CPU, and ``cpu`` for cuda on a machine without a GPU, which the rule ``device_present``
-    refuses)."""
-    arch = (cuda_arch() or "cpu") if config.device == "cuda" else "cpu"
+def default_context(config: EngineConfig, model: ModelConfig | None = None,
+                    arch: str | None = None) -> RuleContext:
+    """The rules' context: the geometry served (``model``, a checkpoint's, or the preset's), and
+    ``arch``, by default this machine's for the configured device (a CUDA device's compute
+    capability, ``cpu`` for the CPU, and ``cpu`` for cuda on a machine without a GPU, which the rule
+    ``device_present`` refuses); a given arch asks what that machine would do."""
+    if arch is None:
+        arch = (cuda_arch() or "cpu") if config.device == "cuda" else "cpu"
     return RuleContext(model or config.model_geometry(), _project_catalog(), arch)
 
 
