@@ -95,9 +95,17 @@ def _ids(gen: torch.Generator, T: int, vocab: int) -> torch.Tensor:
     return ids
 
 
-def _history(gen: torch.Generator, start: str, vocab: int, pad: int) -> torch.Tensor:
+def _history(gen: torch.Generator, start: str, vocab: int, pad: int, rows: int = 1) -> torch.Tensor:
+    """``new_request``: [pad, pad]; ``continuing``: two drawn ids; ``decode_rows``: one history per
+    row [rows, 2], drawn ids except row 0 (a new request's first id: [pad, pad]) and row 1 (its
+    second: [pad, id])."""
     if start == "new_request":
         return torch.tensor([pad, pad], dtype=torch.int64)
+    if start == "decode_rows":
+        history = torch.randint(0, vocab, (rows, 2), generator=gen)
+        history[0, :] = pad
+        history[1:2, 0] = pad
+        return history
     return torch.randint(0, vocab, (2,), generator=gen)
 
 
@@ -125,7 +133,7 @@ def embed_case(axes: dict, gen: torch.Generator, device) -> Case:
     n-gram table G (16 primes in [1000, 3000)); ids are drawn below the reduced vocabulary."""
     T, L, P, C, V = axes["tokens"], axes["layers"], axes["ple_dim"], axes["hidden"], axes["vocab"]
     ids = _ids(gen, T, V)
-    history = _history(gen, axes["start"], V, pad=PAD)  # a history id is hashed, never looked up
+    history = _history(gen, axes["start"], V, pad=PAD, rows=T)  # hashed, never looked up
     primes = _primes(gen, 16, 1000, 3000)
     rows = int(primes.sum())
     inputs = {

@@ -187,10 +187,20 @@ def ple_history_init(pad_id: int) -> torch.Tensor:
 def ple_ngram_ids(ids: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     """The ids each row's n-grams read: ``window[t] = (id_t, id_{t-1}, id_{t-2})``.
 
-    ids [T] int64 (this step's ids of one request, in order); history [2] int64 (the two ids before
-    ids[0], oldest first; the pad id before the sequence start). Returns int64 [T, 3], newest first.
+    ids [T] int64. history int64, one of:
+    - [2]: ids are one request's consecutive ids, in order, and history holds the two ids before
+      ids[0], oldest first (the pad id before the sequence start);
+    - [T, 2]: each row is the next id of its own request (a decode step's rows), and history[t]
+      holds that request's two ids before it, oldest first.
+    Returns int64 [T, 3], newest first.
     """
-    seq = torch.cat([history.to(torch.int64), ids.to(torch.int64)])
+    ids, history = ids.to(torch.int64), history.to(torch.int64)
+    if history.dim() == 2:
+        if history.shape != (ids.shape[0], HISTORY_LEN):
+            raise ValueError(f"a per-row history must be [{ids.shape[0]}, {HISTORY_LEN}], "
+                             f"got {tuple(history.shape)}")
+        return torch.stack([ids, history[:, 1], history[:, 0]], dim=-1)
+    seq = torch.cat([history, ids])
     T = ids.shape[0]
     columns = [seq[HISTORY_LEN - k: HISTORY_LEN - k + T] for k in range(HISTORY_LEN + 1)]
     return torch.stack(columns, dim=-1)
@@ -224,9 +234,9 @@ def ngram_hash_values(ids: torch.Tensor, history: torch.Tensor, cfg: NgramHashCo
 def ple_ngram_hash(ids: torch.Tensor, history: torch.Tensor, cfg: NgramHashConfig) -> torch.Tensor:
     """The rows of G each token gathers: ``row = (h mod p_{n,j}) + offset_{n,j}`` per head.
 
-    ids [T] int64, history [2] int64 (see ``ple_ngram_ids``). Returns int64 [T, num_heads]; column k is
-    head k in the concatenation order (order 2's heads, then order 3's), inside
-    ``[offset_k, offset_k + p_k)``.
+    ids [T] int64, history [2] or [T, 2] int64 (see ``ple_ngram_ids``). Returns int64
+    [T, num_heads]; column k is head k in the concatenation order (order 2's heads, then order
+    3's), inside ``[offset_k, offset_k + p_k)``.
     """
     if ids.device.type == "meta":  # meta: shapes only (the reach tracer); the limb arithmetic costs time
         return torch.empty(ids.shape[0], cfg.num_heads, dtype=torch.int64, device=ids.device)
@@ -241,13 +251,14 @@ def ple_ngram_hash(ids: torch.Tensor, history: torch.Tensor, cfg: NgramHashConfi
 def ple_embed(ids: torch.Tensor, history: torch.Tensor, x_emb: torch.Tensor, table: torch.Tensor,
               ngram_table: torch.Tensor, w_ple: torch.Tensor, norm_w: torch.Tensor,
               cfg: NgramHashConfig, act_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """The per-layer embeddings of one request's step: e [T, L, P].
+    """The per-layer embeddings of one request's step, or of decode rows of several: e [T, L, P].
 
     ``e = (sqrt(P) E[id] + concat_k G[row_k] + rmsnorm_P((x_emb @ W_ple) / sqrt(C))) / sqrt(2)``.
-    ids [T] int64; history [2] int64; x_emb [T, C] (the token embeddings); table E [V, L*P];
-    ngram_table G [cfg.table_rows, L*P/num_heads]; w_ple [C, L*P]; norm_w [P] (the context norm's
-    zero-centred weight, shared by the layers). L and P are read from ``norm_w`` and ``table``.
-    Computes in the accumulation dtype; one rounding point: e is cast to ``act_dtype`` (float64 stays).
+    ids [T] int64; history [2] or per row [T, 2] int64 (``ple_ngram_ids``); x_emb [T, C] (the token
+    embeddings); table E [V, L*P]; ngram_table G [cfg.table_rows, L*P/num_heads]; w_ple [C, L*P];
+    norm_w [P] (the context norm's zero-centred weight, shared by the layers). L and P are read
+    from ``norm_w`` and ``table``. Computes in the accumulation dtype; one rounding point: e is cast
+    to ``act_dtype`` (float64 stays).
     """
     reference = is_reference_mode(x_emb, table, ngram_table, w_ple, norm_w)
     acc = acc_dtype(x_emb, table, ngram_table, w_ple, norm_w)

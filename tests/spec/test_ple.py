@@ -191,6 +191,23 @@ def test_ple_embed_property(seed: int, T: int, L: int, P: int, C: int) -> None:
     torch.testing.assert_close(e32.to(F64), e, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.certify_property("ple_embed")
+@given(seed=seeds, T=st.integers(1, 6))
+def test_ple_embed_per_row_history_is_each_row_alone(seed: int, T: int) -> None:
+    # A history per row ([T, 2], decode rows of T requests): row t equals ple_embed of the one id
+    # with its own request's history, bit for bit (the rows share nothing), in float64 and bf16.
+    cfg, ids, _, x_emb, table, grid, w_ple, norm_w = _embed_inputs(seed, T, 2, 8, 5, 11, F64)
+    histories = torch.randint(0, 11, (T, 2), generator=_gen(seed + 1))
+    for dtype in (F64, torch.float32):
+        args = [t.to(dtype) for t in (x_emb, table, grid, w_ple, norm_w)]
+        e = ple_embed(ids, histories, args[0], *args[1:], cfg)
+        for t in range(T):
+            alone = ple_embed(ids[t:t + 1], histories[t], args[0][t:t + 1], *args[1:], cfg)
+            assert torch.equal(e[t:t + 1], alone)
+    with pytest.raises(ValueError, match="per-row history"):
+        ple_ngram_ids(ids, histories[:, :1])
+
+
 @pytest.mark.certify_guard("ple_embed")
 def test_ple_embed_guard() -> None:
     # L = 2, P = 2, C = 2, the two-head guard config: token 5 after history (pad 1, 3) gathers G rows
