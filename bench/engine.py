@@ -1,7 +1,8 @@
 """Benchmark the engine's decode at the target's geometry: tokens per second against the bytes floor.
 
 Run on the GPU machine from the repository root:
-    python3 bench/engine.py [--layers N] [--batch 1,8,32] [--kv bf16] [--peer] [--out DIR]
+    python3 bench/engine.py [--layers N] [--batch 1,8,32] [--kv bf16] [--modes eager,graphs,torch]
+                            [--out DIR]
 It writes ``engine.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
 Weights are drawn on the device (spec.model.init_weights: fp32 draws from the device's generator,
 one nvfp4 global scale per expert stack), so the 48-layer model needs no host copy. ``--layers``
@@ -12,8 +13,9 @@ Per batch size B: B random prompts of ``--prompt-len`` tokens, greedy. Decode ti
 between a run to ``--new-tokens`` tokens and a run to one token (the same prompts; both after a warm
 run that compiles every kernel), over B x (new - 1) tokens. The floor is the bytes one decode step
 must move (``decode_step_bytes``) over the device-to-device copy bandwidth measured in the same run.
-``--peer`` also times the reference variants (batch-invariant mode: the spec's low-precision path on
-the device) at the first batch size, 4 new tokens.
+``--modes`` picks the engines timed at every batch size: ``eager`` (the fast variants, step by
+step), ``graphs`` (the same with decode steps replayed from CUDA graphs) and ``torch`` (only the
+variants written in torch: the peer).
 """
 
 from __future__ import annotations
@@ -81,12 +83,14 @@ def _requests(cfg: ModelConfig, rows: int, prompt_len: int, new: int, seed: int)
             for i in range(rows)]
 
 
-def _engine(cfg, weights, args, rows: int, invariant: bool = False) -> Engine:
+MODES = {"eager": {}, "graphs": {"cuda_graphs": True}, "torch": {"torch_only": True}}
+
+
+def _engine(cfg, weights, args, rows: int, mode: str = "eager") -> Engine:
     config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv,
                           state_dtype=args.state, max_batch_size=rows,
                           max_num_tokens=max(rows, min(8192, rows * args.prompt_len)),
-                          max_seq_len=args.prompt_len + args.new_tokens + 8,
-                          batch_invariant=invariant)
+                          max_seq_len=args.prompt_len + args.new_tokens + 8, **MODES[mode])
     return Engine(config, weights, cfg=cfg)
 
 
@@ -107,7 +111,10 @@ def main() -> None:
     ap.add_argument("--state", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--prompt-len", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=17)
-    ap.add_argument("--peer", action="store_true")
+    ap.add_argument("--modes", default="eager,graphs,torch",
+                    help="comma-separated: eager, graphs (cuda only), torch")
+    ap.add_argument("--peer-tokens", type=int, default=5,
+                    help="new tokens in the torch mode's runs (it is the slow one)")
     ap.add_argument("--out", default="reports/bench")
     args = ap.parse_args()
     cfg = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.target()
@@ -132,35 +139,38 @@ def main() -> None:
              f"({dt.date.today()})", "", where + ".", "",
              f"{args.prompt_len}-token random prompts, greedy, {args.new_tokens} new tokens, KV "
              f"{args.kv}, state {args.state}; decode time = run to {args.new_tokens} tokens minus "
-             "run to 1.", "",
-             "| batch | decode tokens/s | step ms | floor MB | floor ms | % of floor | "
+             "run to 1. Modes: eager (the fast variants, launched step by step), graphs (the same, "
+             "decode steps replayed from CUDA graphs), torch (only the variants written in torch, "
+             f"eager, {args.peer_tokens} new tokens).", "",
+             "| batch | mode | decode tokens/s | step ms | floor MB | floor ms | % of floor | "
              "largest floor part |",
-             "|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|"]
     batches = [int(b) for b in args.batch.split(",")]
+    modes = args.modes.split(",")
     context = args.prompt_len + args.new_tokens // 2
     for rows in batches:
-        engine = _engine(cfg, weights, args, rows)
-        engine.generate(_requests(cfg, rows, args.prompt_len, 2, seed=0))   # compiles
-        seconds = decode_seconds(engine, cfg, rows, args.prompt_len, args.new_tokens)
-        steps = args.new_tokens - 1
-        step_ms = seconds / steps * 1e3
         parts = decode_step_bytes(cfg, rows, context, args.kv, args.state)
         total = sum(parts.values())
         big = max(parts, key=parts.get)
-        floor = f"{total / bw * 1e3:.2f}" if bw else "-"
-        share = f"{100 * total / bw / (seconds / steps):.1f} %" if bw else "-"
-        lines.append(f"| {rows} | {rows * steps / seconds:.1f} | {step_ms:.1f} | {total / 1e6:.0f} | "
-                     f"{floor} | {share} | {big} {100 * parts[big] / total:.0f} % |")
-        print(lines[-1], flush=True)
-        del engine
-    if args.peer:
-        rows = batches[0]
-        engine = _engine(cfg, weights, args, rows, invariant=True)
-        engine.generate(_requests(cfg, rows, args.prompt_len, 2, seed=0))
-        seconds = decode_seconds(engine, cfg, rows, args.prompt_len, 5)
-        lines += ["", f"Peer (reference variants, batch-invariant mode) at batch {rows}: "
-                  f"{rows * 4 / seconds:.2f} decode tokens/s, {seconds / 4 * 1e3:.0f} ms a step."]
-        print(lines[-1], flush=True)
+        for mode in modes:
+            engine = _engine(cfg, weights, args, rows, mode)
+            new = args.peer_tokens if mode == "torch" else args.new_tokens
+            engine.generate(_requests(cfg, rows, args.prompt_len, 3, seed=0))   # compiles
+            seconds = decode_seconds(engine, cfg, rows, args.prompt_len, new)
+            steps = new - 1
+            step_ms = seconds / steps * 1e3
+            floor = f"{total / bw * 1e3:.2f}" if bw else "-"
+            share = f"{100 * total / bw / (seconds / steps):.1f} %" if bw else "-"
+            lines.append(f"| {rows} | {mode} | {rows * steps / seconds:.1f} | {step_ms:.2f} | "
+                         f"{total / 1e6:.0f} | {floor} | {share} | {big} "
+                         f"{100 * parts[big] / total:.0f} % |")
+            print(lines[-1], flush=True)
+            del engine
+            if cuda:
+                torch.cuda.empty_cache()
+    lines += ["", "Bytes a decode step must move, by part (MB), at the largest batch:", ""]
+    parts = decode_step_bytes(cfg, batches[-1], context, args.kv, args.state)
+    lines += [f"- {name}: {value / 1e6:.1f}" for name, value in parts.items()]
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "engine.md").write_text("\n".join(lines) + "\n")

@@ -56,6 +56,10 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
                    help="draft rows reuse the trunk's last QSA selection")
     e.add_argument("--batch-invariant", action="store_true",
                    help="run every op's reference variant (bitwise equal to spec/model.py)")
+    e.add_argument("--cuda-graphs", action="store_true",
+                   help="decode steps replay CUDA graphs captured per batch bucket (cuda only)")
+    e.add_argument("--torch-only", action="store_true",
+                   help="dispatch only the variants written in torch (the benchmarks' peer)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -98,7 +102,8 @@ def _config(args) -> EngineConfig:
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
         max_seq_len=args.max_seq_len, enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
-        batch_invariant=args.batch_invariant)
+        batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
+        torch_only=args.torch_only)
 
 
 def _refused_fields(err: ValidationError) -> int:

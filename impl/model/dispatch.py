@@ -47,6 +47,14 @@ IN_PLACE_CORES: dict[str, str] = {
 }
 
 
+def is_torch_variant(variant: Variant) -> bool:
+    """A variant written in torch alone: a reference (``impl: spec``) or one of impl/kernels'
+    ``torch_*`` modules. A torch-only engine (``EngineConfig.torch_only``) dispatches these, the
+    peer the benchmarks time the kernels against."""
+    module = variant.impl.split(":")[0].rsplit(".", 1)[-1]
+    return variant.impl == "spec" or module.startswith("torch_")
+
+
 class DispatchError(RuntimeError):
     """No variant of an op can run a call (unknown op, no variant on the arch, no rule accepts)."""
 
@@ -54,10 +62,12 @@ class DispatchError(RuntimeError):
 class Dispatcher:
     """Chooses each op call's variant from the catalog; counts and optionally traces the choices."""
 
-    def __init__(self, catalog: Catalog, arch: str, *, batch_invariant: bool = False):
+    def __init__(self, catalog: Catalog, arch: str, *, batch_invariant: bool = False,
+                 torch_only: bool = False):
         self.catalog = catalog
         self.arch = arch
         self.batch_invariant = batch_invariant
+        self.torch_only = torch_only
         self.ran: Counter[tuple[str, str]] = Counter()
         self.trace: list[OpCall] | None = None
         self._impls: dict[tuple[str, str], Callable] = {}
@@ -83,6 +93,8 @@ class Dispatcher:
                     if self.arch in v.archs and not missing(v)]
         if self.batch_invariant:
             runnable = [v for v in runnable if v.impl == "spec"]
+        if self.torch_only:
+            runnable = [v for v in runnable if is_torch_variant(v)]
         return runnable
 
     def choose(self, name: str, **axes: Any) -> Variant:

@@ -20,6 +20,9 @@ Scheduling (deterministic: the same requests give the same steps):
   planes truncated), the draft layer's speculative rows rolled back, then it reads the accepted rows
   and drafts again.
 
+With ``cuda_graphs`` a decode step (every row a decode row) replays a captured graph of its batch
+bucket (impl/model/graphs.py); other steps run eagerly.
+
 Greedy decoding only (admission refuses sampling). The per-step logits of every model pass can be
 logged (``log_calls``) so a test can replay the same passes through spec/model.py.
 """
@@ -36,6 +39,7 @@ from impl.model.admission import Request, RequestRejected, admit, validate_reque
 from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
 from impl.model.engine_config import EngineConfig, RoutePlan, default_context, route
+from impl.model.graphs import DecodeGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import DTYPE_NAME, Ops
 from spec.config import ModelConfig
@@ -149,13 +153,17 @@ class Engine:
         self.index_share = bool(config.speculative and config.speculative.index_share)
         if self.k and weights.mtp is None:
             raise ValueError("speculation needs the MTP draft layer's weights")
-        self.dispatcher = Dispatcher(ctx.catalog, arch,
-                                     batch_invariant=config.batch_invariant)
+        self.dispatcher = Dispatcher(ctx.catalog, arch, batch_invariant=config.batch_invariant,
+                                     torch_only=config.torch_only)
         self.model = Model(weights, self.cfg, Ops(self.dispatcher))
         state_dtype = _DTYPES[config.state_dtype]
+        # Decode graphs pad their rows with a spare slot that no request is given.
+        slots = config.max_batch_size + (1 if config.cuda_graphs else 0)
         self.cache = EngineCache.allocate(
-            self.cfg, config.max_batch_size, config.max_seq_len, weights.dtype,
+            self.cfg, slots, config.max_seq_len, weights.dtype,
             config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
+        self.graphs = (DecodeGraphs(self.model, self.cache, config.max_batch_size)
+                       if config.cuda_graphs else None)
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}   # slot -> sequence
         self.finished: list[Sequence] = []
@@ -261,8 +269,11 @@ class Engine:
             self.cache.ensure_pages(seq.slot, start + n)
             ids += self._tokens(seq, mode, n)
             row += n
-        out = self.model.trunk(torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
-                               self.cache, logit_rows)
+        if self.graphs is not None and all(mode == "decode" for _, mode, _ in plan):
+            out = self.graphs.step(spans, ids)
+        else:
+            out = self.model.trunk(torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
+                                   self.cache, logit_rows)
         self._log("trunk", plan, spans, ids, out)
         return spans, out
 

@@ -109,6 +109,8 @@ class EngineConfig(BaseModel):
     enable_block_reuse: bool = False
     speculative: SpeculativeConfig | None = None
     batch_invariant: bool = False
+    cuda_graphs: bool = False     # decode steps replay captured graphs (impl/model/graphs.py)
+    torch_only: bool = False      # dispatch only variants written in torch (the benchmarks' peer)
 
     def model_geometry(self) -> ModelConfig:
         return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
@@ -260,8 +262,11 @@ def choose_variant(c: EngineConfig, op: OpFile, arch: str) -> Choice:
     rule that reads an axis the config does not fix (e.g. seq_len) is decided per step: then the first
     variant runnable on the arch is listed, with the axes that decide."""
     axes = _config_axes(c, op)
+    from impl.model.dispatch import is_torch_variant
+
     runnable = [v for v in op.variants
-                if arch in v.archs and (v.impl == "spec" or not c.batch_invariant)]
+                if arch in v.archs and (v.impl == "spec" or not c.batch_invariant)
+                and (is_torch_variant(v) or not c.torch_only)]
     if not runnable:
         return Choice(op.op, None, axes, "none", f"no variant runs on {arch}")
     for v in runnable:
@@ -372,6 +377,27 @@ def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
     return f"no {kind} of {missing[0]} runs on {ctx.arch}{more}"
 
 
+def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if not c.cuda_graphs:
+        return None
+    if c.device != "cuda":
+        return f"cuda_graphs needs device 'cuda' (the configuration's device is {c.device!r})"
+    if c.speculative is not None:
+        return ("cuda_graphs captures decode steps only: verify steps read the host (the rows "
+                "kernel groups its tiles there); turn speculation off or cuda_graphs off")
+    if c.batch_invariant or c.torch_only:
+        what = "batch-invariant mode" if c.batch_invariant else "torch_only"
+        return (f"cuda_graphs is captured over the fast variants, not checked with {what}: turn "
+                "one of them off")
+    from impl.model.graphs import uncapturable_calls
+
+    bad = uncapturable_calls(c, ctx)
+    if bad:
+        return (f"a decode step of this geometry dispatches {', '.join(bad)}: reference variants "
+                "read values on the host, which a CUDA graph cannot capture")
+    return None
+
+
 def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
     rows = c.speculative.draft_length + 1 if c.speculative is not None else 1
     need = c.max_batch_size * rows
@@ -412,6 +438,9 @@ RULES: list[Rule] = [
     Rule("ops_run_on_the_arch",
          "Every op the forward runs has a variant on the arch (in batch-invariant mode, a reference "
          "variant).", _ops_run_on_the_arch),
+    Rule("cuda_graphs_capture_decode_on_cuda",
+         "CUDA graphs run on cuda, for decode steps without speculation, outside batch-invariant "
+         "mode and torch_only.", _cuda_graphs),
     Rule("token_budget_holds_a_step",
          "max_num_tokens holds one generation step of max_batch_size requests (K + 1 rows each with "
          "speculation).", _token_budget),

@@ -42,14 +42,21 @@ class Span:
 
 @dataclass
 class StepRows:
-    """Host-side rows of one step (CPU int64 [N]): slot, absolute position, the request's length
-    after the step."""
+    """The rows of one step (int64 [N]): slot, absolute position, the request's length after the
+    step; and ``context``, the longest of those lengths (a host int: it sizes the block table the
+    QSA ops read). Built on the host (``build``); a captured step (impl/model/graphs.py) holds them
+    on the device instead, with ``table`` (the device block table of the step's width) and
+    ``ple_history`` (each row's n-gram history [N, 2], rows of one token only), so that its forward
+    reads no host value."""
 
     kind: str  # the launch kind QSA cells name: decode | verify | prefill | mixed
     spans: list[Span]
     seq_ids: torch.Tensor
     positions: torch.Tensor
     context_lens: torch.Tensor
+    context: int
+    table: torch.Tensor | None = None
+    ple_history: torch.Tensor | None = None
 
     @classmethod
     def build(cls, spans: list[Span]) -> StepRows:
@@ -58,19 +65,22 @@ class StepRows:
             seq += [sp.slot] * sp.rows
             pos += list(range(sp.start, sp.start + sp.rows))
             ctx += [sp.start + sp.rows] * sp.rows
-        modes = {sp.mode for sp in spans}
-        kind = ("verify" if modes == {"verify"} else "decode" if modes == {"decode"}
-                else "prefill" if modes == {"prefill"} else "mixed")
         as_long = lambda v: torch.tensor(v, dtype=torch.int64)  # noqa: E731
-        return cls(kind, spans, as_long(seq), as_long(pos), as_long(ctx))
+        return cls(step_kind(spans), spans, as_long(seq), as_long(pos), as_long(ctx),
+                   max(ctx, default=0))
 
     @property
     def rows(self) -> int:
         return int(self.seq_ids.shape[0])
 
     def qsa_axes(self) -> dict:
-        return dict(step=self.kind, batch=len(self.spans), rows=self.rows,
-                    context=int(self.context_lens.max()))
+        return dict(step=self.kind, batch=len(self.spans), rows=self.rows, context=self.context)
+
+
+def step_kind(spans: list[Span]) -> str:
+    modes = {sp.mode for sp in spans}
+    return ("verify" if modes == {"verify"} else "decode" if modes == {"decode"}
+            else "prefill" if modes == {"prefill"} else "mixed")
 
 
 @dataclass
@@ -176,7 +186,13 @@ class Model:
         verify = [sp for sp in rows.spans if sp.mode == "verify"]
         prefill = [sp for sp in rows.spans if sp.mode == "prefill"]
         dev = pool.state.device
-        if decode:
+        if decode and rows.kind == "decode":   # every row: no gather, the slots are the rows'
+            slots = rows.seq_ids.to(dev)
+            y, conv = ops.conv_update(mixed, w.conv_w, pool.conv[slots], geometry=geo)
+            pool.conv[slots] = conv
+            q, k, v = split(y)
+            out = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, z, w.norm_w, pool.state, slots)
+        elif decode:
             idx = torch.tensor([sp.lo for sp in decode], device=u.device)
             slots = torch.tensor([sp.slot for sp in decode], dtype=torch.int64)
             y, conv = ops.conv_update(mixed[idx], w.conv_w, pool.conv[slots.to(dev)], geometry=geo)
@@ -249,9 +265,11 @@ class Model:
         kv_name = {"bf16": "bfloat16"}.get(cache.kv_dtype, cache.kv_dtype)
         # The block table's columns up to the step's longest request: a step's work (index scores,
         # selection) spans the blocks its rows can reach, not every block a slot could hold.
-        table = cache.pages.block_table[:, :-(-axes["context"] // cfg.tokens_per_block)]
-        if dev.type != "meta":  # over meta pools the tracer's ops read the table on the host
-            table = table.to(dev)
+        table = rows.table
+        if table is None:
+            table = cache.pages.block_table[:, :-(-axes["context"] // cfg.tokens_per_block)]
+            if dev.type != "meta":  # over meta pools the tracer's ops read the table on the host
+                table = table.to(dev)
         seq_ids, positions = rows.seq_ids, rows.positions
         ops.qsa_kv_append(
             p, table, seq_ids, positions, k, v, store_k, store_v, (w.k_gs, w.v_gs),
@@ -286,6 +304,38 @@ class Model:
 
     # ------------------------------------------------------------------ read-out
 
+    def _ple(self, ids: torch.Tensor, ids_dev: torch.Tensor, x_emb: torch.Tensor, rows: StepRows,
+             cache: EngineCache, record: VerifyRecord | None) -> torch.Tensor:
+        """e [N, L, P]: the one-token spans (decode rows, a prompt's 1-token chunk) in one call with
+        a history per row, each longer span in a call of its own with its request's history."""
+        cfg, w, act, dev = self.cfg, self.w, self.act, ids_dev.device
+        e = torch.empty(rows.rows, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
+        single = [sp for sp in rows.spans if sp.rows == 1]
+        if len(single) == rows.rows:                   # every row its own request: no gather
+            hist = rows.ple_history
+            if hist is None:
+                hist = cache.ple_history[torch.tensor([sp.slot for sp in single])].to(dev)
+            e = self.ops.ple_embed(ids_dev, hist, x_emb, w.ple, act, "decode_rows", cfg.num_layers)
+        elif single:
+            idx = torch.tensor([sp.lo for sp in single])
+            hist = cache.ple_history[torch.tensor([sp.slot for sp in single])].to(dev)
+            e[idx.to(dev)] = self.ops.ple_embed(ids_dev[idx.to(dev)], hist, x_emb[idx.to(dev)],
+                                                w.ple, act, "decode_rows", cfg.num_layers)
+        for sp in rows.spans:
+            hist = cache.ple_history[sp.slot]
+            if sp.rows > 1:
+                start = "new_request" if sp.start == 0 else "continuing"
+                e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist.to(dev),
+                                                    x_emb[sp.lo:sp.hi], w.ple, act, start,
+                                                    cfg.num_layers)
+            if record is not None and sp.mode == "verify":
+                h, after = hist, []
+                for t in ids[sp.lo:sp.hi]:
+                    h = ple_history_advance(h, t.reshape(1))
+                    after.append(h)
+                record.ple_history[sp.slot] = torch.stack(after)
+        return e
+
     def _read_out(self, m: torch.Tensor) -> torch.Tensor:
         if m.shape[0] == 0:  # no row of this pass needs logits: nothing to dispatch
             act = torch.float64 if self.act == torch.float64 else torch.float32
@@ -306,25 +356,18 @@ class Model:
         """The trunk over one step's rows (``ids`` int64 [N] on the CPU); updates ``cache``. Only
         ``logit_rows`` are read out through the LM head (default: every row): a prompt chunk needs
         the logits of its last row at most, and 8192 rows of a 151936-word head would be 5 GB."""
-        w, cfg, act = self.w, self.cfg, self.act
-        dev = w.device
-        N = rows.rows
+        out = self.trunk_forward(ids, ids.to(self.w.device), rows, cache, logit_rows)
+        self.advance(ids, rows, cache)
+        return out
+
+    def trunk_forward(self, ids: torch.Tensor, ids_dev: torch.Tensor, rows: StepRows,
+                      cache: EngineCache, logit_rows: list[int] | None = None) -> StepOutput:
+        """The trunk's device work over one step (``trunk`` without the host-side bookkeeping of
+        ``advance``); a captured step (impl/model/graphs.py) replays exactly this."""
+        w, cfg = self.w, self.cfg
         record = VerifyRecord() if any(sp.mode == "verify" for sp in rows.spans) else None
-        ids_dev = ids.to(dev)
         x_emb = w.embed[ids_dev]
-        e = torch.empty(N, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
-        for sp in rows.spans:
-            hist = cache.ple_history[sp.slot]
-            start = "new_request" if sp.start == 0 else "continuing"
-            e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist.to(dev),
-                                                x_emb[sp.lo:sp.hi], w.ple, act, start,
-                                                cfg.num_layers)
-            if record is not None and sp.mode == "verify":
-                h, after = hist, []
-                for t in ids[sp.lo:sp.hi]:
-                    h = ple_history_advance(h, t.reshape(1))
-                    after.append(h)
-                record.ple_history[sp.slot] = torch.stack(after)
+        e = self._ple(ids, ids_dev, x_emb, rows, cache, record)
         X = self._streams(x_emb, cfg.hc_streams)
         m = X[:, 0]
         last_qsa = max(i for i, lw in enumerate(w.layers) if lw.kind == "qsa")
@@ -333,12 +376,17 @@ class Model:
             planes = cache.layers[li] if lw.kind == "qsa" else None
             X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, planes,
                                handover if li == last_qsa else None)
-        logits = self._read_out(m if logit_rows is None else m[logit_rows])
+        every_row = logit_rows is None or logit_rows == list(range(rows.rows))
+        logits = self._read_out(m if every_row else m[logit_rows])
+        return StepOutput(logits, m, record, handover.kept, logit_rows)
+
+    @staticmethod
+    def advance(ids: torch.Tensor, rows: StepRows, cache: EngineCache) -> None:
+        """The host side of a trunk step: each request's n-gram history and stored length."""
         for sp in rows.spans:
             cache.ple_history[sp.slot] = ple_history_advance(cache.ple_history[sp.slot],
                                                              ids[sp.lo:sp.hi])
             cache.lengths[sp.slot] = sp.start + sp.rows
-        return StepOutput(logits, m, record, handover.kept, logit_rows)
 
     def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, rows: StepRows,
               cache: EngineCache, shared_selection: torch.Tensor | None = None,

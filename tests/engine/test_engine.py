@@ -38,8 +38,8 @@ def _requests(lengths: list[int], new: int = 6, seed: int = 1) -> list[Request]:
 
 def _engine(weights, *, kv="bf16", state="fp32", k=None, budget=40, batch=4, invariant=True,
             chunked=True, device="cpu") -> Engine:
-    config = EngineConfig(model="tiny", device=device, kv_cache_dtype=kv, state_dtype=state, max_batch_size=batch,
-                          max_num_tokens=budget, max_seq_len=MAX_LEN,
+    config = EngineConfig(model="tiny", device=device, kv_cache_dtype=kv, state_dtype=state,
+                          max_batch_size=batch, max_num_tokens=budget, max_seq_len=MAX_LEN,
                           enable_chunked_prefill=chunked, batch_invariant=invariant,
                           speculative=None if k is None else SpeculativeConfig(draft_length=k))
     return Engine(config, weights, log_calls=True)

@@ -329,3 +329,23 @@ def test_cli_options_offer_the_configs_own_values(capsys):
     assert "invalid choice: 'int4'" in err and "'nvfp4'" in err
     assert cli.main(["explain", "--state-dtype", "fp16"]) == 2   # admitted, then refused by a rule
     assert "REFUSED by 1 rule(s): state_dtype_supported" in capsys.readouterr().out
+
+
+def test_cuda_graphs_capture_decode_on_cuda():
+    r = only(EngineConfig(cuda_graphs=True))
+    assert r.rule == "cuda_graphs_capture_decode_on_cuda"
+    assert r.reason == "cuda_graphs needs device 'cuda' (the configuration's device is 'cpu')"
+    gpu = default_context(EngineConfig(device="cuda"), arch="sm_90")
+    assert check(EngineConfig(device="cuda", cuda_graphs=True), gpu) == []
+    for config, word in [(EngineConfig(device="cuda", cuda_graphs=True, speculative=spec(3)),
+                          "speculation"),
+                         (EngineConfig(device="cuda", cuda_graphs=True, batch_invariant=True),
+                          "batch-invariant")]:
+        refused = check(config, gpu)
+        assert [x.rule for x in refused] == ["cuda_graphs_capture_decode_on_cuda"], refused
+        assert word in refused[0].reason
+    # The tiny geometry's index scores fall back to their reference variant: refused, named.
+    tiny = EngineConfig(model="tiny", device="cuda", cuda_graphs=True, max_seq_len=256)
+    refused = check(tiny, default_context(tiny, arch="sm_90"))
+    assert [x.rule for x in refused] == ["cuda_graphs_capture_decode_on_cuda"], refused
+    assert "qsa_index_scores::spec_lowp" in refused[0].reason
