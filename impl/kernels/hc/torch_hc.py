@@ -26,10 +26,10 @@ from impl.kernels.gemm import fp32_matmul
 from spec.ops.hc import SINKHORN_ITERS, sinkhorn
 
 
-def hc_first_projection(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, *,
-                        h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
-    """v [T, n*C], r [T], phi [n*C, 2n + n^2], bias [2n + n^2] -> h_pre, h_post [T, n], h_res
-    [T, n, n] (fp32 buffers, written completely)."""
+def first_projection_gates(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor,
+                           h_pre: torch.Tensor, h_post: torch.Tensor) -> torch.Tensor:
+    """The logits' GEMM, H_pre and H_post written; returns Sinkhorn's input exp(l_res - max)
+    [T, n, n] fp32 (the step a kernel variant may take over)."""
     width = phi.shape[-1]
     n = math.isqrt(width + 1) - 1
     if 2 * n + n * n != width or bias.shape[-1] != width:
@@ -40,4 +40,11 @@ def hc_first_projection(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bia
     shift = l_res.amax(dim=(-2, -1), keepdim=True)  # cancelled by Sinkhorn's first normalisation
     h_pre.copy_(torch.sigmoid(logits[:, :n]))
     h_post.copy_(2.0 * torch.sigmoid(logits[:, n:2 * n]))
-    h_res.copy_(sinkhorn(torch.exp(l_res - shift), SINKHORN_ITERS))
+    return torch.exp(l_res - shift)
+
+
+def hc_first_projection(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, *,
+                        h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
+    """v [T, n*C], r [T], phi [n*C, 2n + n^2], bias [2n + n^2] -> h_pre, h_post [T, n], h_res
+    [T, n, n] (fp32 buffers, written completely)."""
+    h_res.copy_(sinkhorn(first_projection_gates(v, r, phi, bias, h_pre, h_post), SINKHORN_ITERS))

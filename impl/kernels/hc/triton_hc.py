@@ -9,6 +9,10 @@
 - ``hc_pre``: x_in = sum_j H_pre[j] X[j] in fp32, stream 0 first, every product and sum rounded on its
   own (no fused multiply-add: ``enable_fp_fusion=False``), then one rounding to bf16 on the bits. These
   are the spec's operations in the spec's order, so the result is the spec's to the bit.
+- ``hc_first_projection``: the torch variant's fp32 GEMM and gates (impl/kernels/hc/torch_hc.py),
+  then the 20 Sinkhorn rounds on each token's n x n matrix in one launch, where the spec's tensor
+  loop takes 80: each sum of n terms is Triton's tree sum, each division correctly rounded
+  (``div_rn``); no rounding point.
 - ``hc_up_projection``: X'[i] = sum_j H_res[i, j] X[j] + H_post[i] y and m = (X'[0] + ... + X'[n-1]) / n
   in the spec's order, unfused, with 1/n exact for n a power of two: the spec's bits.
 """
@@ -20,11 +24,14 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.hc.torch_hc import first_projection_gates
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
+from spec.ops.hc import SINKHORN_ITERS
 
 EPS = 1e-6          # spec/ops/hc.py:EPS
 NORM_LANES = 4096   # the inject norm's accumulator lanes
 BLOCK_C = 1024      # channels a program of the pre-mix and the up projection
+SINKHORN_TOKENS = 32  # tokens a program of the Sinkhorn rounds
 # The compiled kernels keep every product and sum apart, as the spec's tensor ops do; the
 # interpreter evaluates each operation on its own anyway.
 _UNFUSED = {} if INTERPRETING else {"enable_fp_fusion": False}
@@ -79,6 +86,21 @@ def _up_kernel(X, y, h_res, h_post, X_new, m, N: tl.constexpr, C: tl.constexpr,
     tl.store(m + row * C + offs, mean * (1.0 / N), mask=mask)
 
 
+@triton.jit
+def _sinkhorn_kernel(M, out, T, iters, N: tl.constexpr, BT: tl.constexpr):
+    # BT tokens a program, each an N x N matrix; columns then rows normalised, ``iters`` rounds.
+    t = tl.program_id(0) * BT + tl.arange(0, BT)
+    i = tl.arange(0, N)
+    j = tl.arange(0, N)
+    offs = t[:, None, None] * (N * N) + i[None, :, None] * N + j[None, None, :]
+    live = (t < T)[:, None, None]
+    m = tl.load(M + offs, mask=live, other=1.0)
+    for _ in range(iters):
+        m = tl.div_rn(m, tl.sum(m, axis=1)[:, None, :])   # columns sum to 1
+        m = tl.div_rn(m, tl.sum(m, axis=2)[:, :, None])   # rows sum to 1
+    tl.store(out + offs, m, mask=live)
+
+
 def _check_streams(X: torch.Tensor) -> tuple[int, int, int]:
     if X.dtype != torch.float32 or X.dim() != 3 or not X.is_contiguous():
         raise ValueError("the Triton HC kernels read contiguous fp32 streams X [T, n, C]")
@@ -91,6 +113,21 @@ def hc_inject_norm(X: torch.Tensor, eps: float = EPS, *, v: torch.Tensor, r: tor
     if T == 0:
         return
     _inject_norm_kernel[(T,)](X, v, r, eps, NC=n * C, LANES=NORM_LANES, num_warps=8)
+
+
+def hc_first_projection(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bias: torch.Tensor, *,
+                        h_pre: torch.Tensor, h_post: torch.Tensor, h_res: torch.Tensor) -> None:
+    """v [T, n*C], r [T], phi [n*C, 2n + n^2], bias [2n + n^2] -> h_pre, h_post [T, n], h_res
+    [T, n, n] (fp32 buffers, written completely): the torch variant's GEMM and gates, then the
+    Sinkhorn rounds in one launch."""
+    M = first_projection_gates(v, r, phi, bias, h_pre, h_post).contiguous()
+    T, n = M.shape[0], M.shape[-1]
+    if n & (n - 1) or not h_res.is_contiguous():
+        raise ValueError(f"the Triton Sinkhorn takes a power-of-two n ({n}) and a contiguous h_res")
+    if T == 0:
+        return
+    _sinkhorn_kernel[(triton.cdiv(T, SINKHORN_TOKENS),)](M, h_res, T, SINKHORN_ITERS, N=n,
+                                                        BT=SINKHORN_TOKENS, num_warps=4)
 
 
 def hc_pre(X: torch.Tensor, h_pre: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16, *,
