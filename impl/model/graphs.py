@@ -44,6 +44,7 @@ def uncapturable_calls(config, ctx) -> list[str]:
     (impl/model/trace.py), so the rule ``cuda_graphs_capture_decode_on_cuda`` refuses before
     anything is built."""
     from impl.model.dispatch import Dispatcher  # noqa: PLC0415
+    from impl.model.ops import KV_CODEC_OPS  # noqa: PLC0415
     from impl.model.trace import Requests, Scenario, forward_calls  # noqa: PLC0415
     from spec.model import init_weights  # noqa: PLC0415
 
@@ -53,11 +54,16 @@ def uncapturable_calls(config, ctx) -> list[str]:
                     kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
                     max_num_tokens=max(config.max_batch_size, 1))
     d = Dispatcher(ctx.catalog, ctx.arch)
+    calls = forward_calls(step, ctx.catalog, ctx.model, weights)
+    chosen = [(call.op, d.choose(call.op, **dict(call.axes))) for call in calls]
+    # The trace runs the reference KV append, which calls the codec ops; a kernel append
+    # quantises inside and calls none.
+    kernel_append = any(op == "qsa_kv_append" and v.impl != "spec" for op, v in chosen)
     bad = []
-    for call in forward_calls(step, ctx.catalog, ctx.model, weights):
-        variant = d.choose(call.op, **dict(call.axes))
-        name = f"{call.op}::{variant.name}"
-        if variant.impl == "spec" and call.op not in CAPTURABLE_REFERENCES and name not in bad:
+    for op, variant in chosen:
+        name = f"{op}::{variant.name}"
+        if (variant.impl == "spec" and op not in CAPTURABLE_REFERENCES and name not in bad
+                and not (kernel_append and op in KV_CODEC_OPS.values())):
             bad.append(name)
     return bad
 

@@ -67,6 +67,14 @@ class Ops:
     def __init__(self, dispatcher: Dispatcher, *, shape_only: bool = False):
         self.d = dispatcher
         self.shape_only = shape_only
+        self._host_values: dict[int, tuple[torch.Tensor, float]] = {}
+
+    def _host_value(self, t: torch.Tensor) -> float:
+        """A weight scalar's value, read from the device once (a captured step reads none)."""
+        held = self._host_values.get(id(t))
+        if held is None or held[0] is not t:
+            held = self._host_values[id(t)] = (t, float(t))
+        return held[1]
 
     # ------------------------------------------------------------------ helpers
 
@@ -315,7 +323,7 @@ class Ops:
         dev = k.device
         pools = lambda c: (c,) if isinstance(c, torch.Tensor) else tuple(c)  # noqa: E731
         kv_format = {"bfloat16": "bf16"}.get(axes["kv_dtype"], axes["kv_dtype"])
-        k_gs, v_gs = (float(g) for g in gs) if kv_format == "nvfp4" else (1.0, 1.0)
+        k_gs, v_gs = (self._host_value(g) for g in gs) if kv_format == "nvfp4" else (1.0, 1.0)
         self.d.core(impl)(pools(planes.k_cache), pools(planes.v_cache), planes.pos_plane,
                           block_table.to(dev), seq_ids.to(dev), positions.to(dev), k, v, kv_format,
                           k_gs, v_gs)

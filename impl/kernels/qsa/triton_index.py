@@ -146,11 +146,15 @@ def index_scores(q_index: torch.Tensor, w_index: torch.Tensor, seq_ids: torch.Te
     n, heads, dim = q_index.shape
     if q_index.dtype != torch.bfloat16 or block_keys.dtype != torch.bfloat16:
         raise ValueError("the Triton index scores take bf16 qI and block keys")
-    if heads < 16 or heads & (heads - 1) or dim < 16 or dim & (dim - 1):
-        raise ValueError("index heads and index dim must be powers of two >= 16 (tl.dot tiles)")
+    if heads & (heads - 1) or dim < 16 or dim & (dim - 1):
+        raise ValueError("index heads and index dim must be powers of two, dim >= 16 (tl.dot tiles)")
     width = block_table.shape[1]
     if n == 0 or width == 0:
         return
+    if heads < 16:  # the dot's M is at least 16: zero heads add an exact 0 to each head sum
+        q_index = torch.cat([q_index, q_index.new_zeros(n, 16 - heads, dim)], dim=1)
+        w_index = torch.cat([w_index, w_index.new_zeros(n, 16 - heads)], dim=1)
+        heads = 16
     # 64 columns a program on the GPU; the interpreter pays per op, so it takes up to 512
     block_b = block_b or (min(512, max(16, triton.next_power_of_2(width))) if INTERPRETING else 64)
     grid = (n, triton.cdiv(width, block_b))
