@@ -9,10 +9,13 @@ one nvfp4 global scale per expert stack), so the 48-layer model needs no host co
 keeps the first N layers (the layer rule unchanged) where the whole model does not fit or a quick
 figure is enough. ``--model tiny --device cpu`` runs the same script on the CPU's tiny model.
 
-Per batch size B: B random prompts of ``--prompt-len`` tokens, greedy. Decode time is the difference
-between a run to ``--new-tokens`` tokens and a run to one token (the same prompts; both after a warm
-run that compiles every kernel), over B x (new - 1) tokens. The floor is the bytes one decode step
-must move (``decode_step_bytes``) over the device-to-device copy bandwidth measured in the same run.
+Per batch size B and mode: after two warm runs (one full-length prompt, then B short ones: every
+kernel compiled, the batch's first graphs captured), one run of B random prompts of
+``--prompt-len`` tokens to ``--new-tokens`` tokens, greedy, each step timed on the host (a step ends
+by reading its tokens). The prefill time is the sum of the steps that read prompts; the decode step
+time is the median decode step (a graph captured mid-run at a new table width is one outlier). The
+floor is the bytes one decode step must move (``decode_step_bytes``) over the device-to-device copy
+bandwidth measured in the same run. The issue's protocol: ``--prompt-len 8192 --batch 1,32,128``.
 ``--modes`` picks the engines timed at every batch size: ``eager`` (the fast variants, step by
 step), ``graphs`` (the same with decode steps replayed from CUDA graphs) and ``torch`` (only the
 variants written in torch: the peer).
@@ -22,8 +25,10 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import statistics
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -86,19 +91,44 @@ def _requests(cfg: ModelConfig, rows: int, prompt_len: int, new: int, seed: int)
 MODES = {"eager": {}, "graphs": {"cuda_graphs": True}, "torch": {"torch_only": True}}
 
 
-def _engine(cfg, weights, args, rows: int, mode: str = "eager") -> Engine:
+def _engine(cfg, weights, args, rows: int, mode: str, prompt_len: int, new: int) -> Engine:
     config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv,
                           state_dtype=args.state, max_batch_size=rows,
-                          max_num_tokens=max(rows, min(8192, rows * args.prompt_len)),
-                          max_seq_len=args.prompt_len + args.new_tokens + 8, **MODES[mode])
+                          max_num_tokens=max(rows, min(8192, rows * prompt_len)),
+                          max_seq_len=prompt_len + new + 8, **MODES[mode])
     return Engine(config, weights, cfg=cfg)
 
 
-def decode_seconds(engine: Engine, cfg, rows: int, prompt_len: int, new: int) -> float:
-    """Seconds of the decode steps: a run to ``new`` tokens minus a run to one (same prompts)."""
-    one = engine.generate(_requests(cfg, rows, prompt_len, 1, seed=1)).seconds
-    full = engine.generate(_requests(cfg, rows, prompt_len, new, seed=1)).seconds
-    return max(full - one, 1e-9)
+@dataclass
+class StepTimes:
+    prefill: float                 # seconds of the steps that read prompts (context / mixed)
+    decode: list[float]            # seconds of each decode step
+
+    def median_decode(self) -> float:
+        return statistics.median(self.decode)
+
+    def spread(self) -> str:
+        q = statistics.quantiles(self.decode, n=10) if len(self.decode) >= 2 else self.decode * 9
+        return f"{q[0] * 1e3:.2f}-{q[-1] * 1e3:.2f}"
+
+
+def timed_run(engine: Engine, requests: list[Request]) -> StepTimes:
+    """One run, each step timed on the host: a step ends by reading its tokens, which waits for
+    the device."""
+    for r in requests:
+        engine.submit(r)
+    prefill, decode = 0.0, []
+    while not engine.idle:
+        kinds = dict(engine.step_kinds)
+        t0 = time.perf_counter()
+        engine.step()
+        dt_step = time.perf_counter() - t0
+        kind = next(k for k, n in engine.step_kinds.items() if n != kinds.get(k, 0))
+        if kind == "decode":
+            decode.append(dt_step)
+        else:
+            prefill += dt_step
+    return StepTimes(prefill, decode)
 
 
 def main() -> None:
@@ -115,6 +145,8 @@ def main() -> None:
                     help="comma-separated: eager, graphs (cuda only), torch")
     ap.add_argument("--peer-tokens", type=int, default=5,
                     help="new tokens in the torch mode's runs (it is the slow one)")
+    ap.add_argument("--peer-prompt-len", type=int, default=64,
+                    help="prompt tokens in the torch mode's runs")
     ap.add_argument("--out", default="reports/bench")
     args = ap.parse_args()
     cfg = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.target()
@@ -137,37 +169,42 @@ def main() -> None:
         where = f"CPU, torch {torch.__version__}; weights drawn in {drawn:.1f} s (no floor on the CPU)"
     lines = [f"# Engine decode, {args.model} geometry with {cfg.num_layers} layers "
              f"({dt.date.today()})", "", where + ".", "",
-             f"{args.prompt_len}-token random prompts, greedy, {args.new_tokens} new tokens, KV "
-             f"{args.kv}, state {args.state}; decode time = run to {args.new_tokens} tokens minus "
-             "run to 1. Modes: eager (the fast variants, launched step by step), graphs (the same, "
-             "decode steps replayed from CUDA graphs), torch (only the variants written in torch, "
-             f"eager, {args.peer_tokens} new tokens).", "",
-             "| batch | mode | decode tokens/s | step ms | floor MB | floor ms | % of floor | "
-             "largest floor part |",
-             "|---|---|---|---|---|---|---|---|"]
+             f"Random prompts, greedy, KV {args.kv}, state {args.state}. Per batch and mode one "
+             "run, each step timed: prefill s = the steps that read the prompts, step ms = the "
+             "median decode step (p10-p90 beside it), tokens/s = batch / median step. Modes: "
+             "eager (the fast variants, launched step by step), graphs (the same, decode steps "
+             "replayed from CUDA graphs), torch (only the variants written in torch, eager, "
+             f"{args.peer_prompt_len}-token prompts, {args.peer_tokens} new tokens). The floor "
+             "is the step's bytes (below) over the copy bandwidth.", "",
+             "| batch | mode | prompt | prefill s | decode tokens/s | step ms | p10-p90 ms | "
+             "floor MB | floor ms | % of floor | largest floor part |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     batches = [int(b) for b in args.batch.split(",")]
     modes = args.modes.split(",")
-    context = args.prompt_len + args.new_tokens // 2
     for rows in batches:
-        parts = decode_step_bytes(cfg, rows, context, args.kv, args.state)
-        total = sum(parts.values())
-        big = max(parts, key=parts.get)
         for mode in modes:
-            engine = _engine(cfg, weights, args, rows, mode)
-            new = args.peer_tokens if mode == "torch" else args.new_tokens
-            engine.generate(_requests(cfg, rows, args.prompt_len, 3, seed=0))   # compiles
-            seconds = decode_seconds(engine, cfg, rows, args.prompt_len, new)
-            steps = new - 1
-            step_ms = seconds / steps * 1e3
+            torch_mode = mode == "torch"
+            plen = args.peer_prompt_len if torch_mode else args.prompt_len
+            new = args.peer_tokens if torch_mode else args.new_tokens
+            parts = decode_step_bytes(cfg, rows, plen + new // 2, args.kv, args.state)
+            total = sum(parts.values())
+            big = max(parts, key=parts.get)
+            engine = _engine(cfg, weights, args, rows, mode, plen, new)
+            # Compiles (and captures the first graphs): one full-length prompt, then short ones.
+            timed_run(engine, _requests(cfg, 1, plen, 2, seed=0))
+            timed_run(engine, _requests(cfg, rows, 8, 3, seed=0))
+            times = timed_run(engine, _requests(cfg, rows, plen, new, seed=1))
+            step = times.median_decode()
             floor = f"{total / bw * 1e3:.2f}" if bw else "-"
-            share = f"{100 * total / bw / (seconds / steps):.1f} %" if bw else "-"
-            lines.append(f"| {rows} | {mode} | {rows * steps / seconds:.1f} | {step_ms:.2f} | "
-                         f"{total / 1e6:.0f} | {floor} | {share} | {big} "
-                         f"{100 * parts[big] / total:.0f} % |")
+            share = f"{100 * total / bw / step:.1f} %" if bw else "-"
+            lines.append(f"| {rows} | {mode} | {plen} | {times.prefill:.2f} | {rows / step:.1f} | "
+                         f"{step * 1e3:.2f} | {times.spread()} | {total / 1e6:.0f} | {floor} | "
+                         f"{share} | {big} {100 * parts[big] / total:.0f} % |")
             print(lines[-1], flush=True)
             del engine
             if cuda:
                 torch.cuda.empty_cache()
+    context = args.prompt_len + args.new_tokens // 2
     lines += ["", "Bytes a decode step must move, by part (MB), at the largest batch:", ""]
     parts = decode_step_bytes(cfg, batches[-1], context, args.kv, args.state)
     lines += [f"- {name}: {value / 1e6:.1f}" for name, value in parts.items()]
