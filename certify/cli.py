@@ -3,7 +3,8 @@
 Cells (certify/cells/*.yaml) name the shapes and layouts each op's forward reaches; run certifies
 them against the spec and writes receipts, verify re-runs receipts, trace records what the
 model's scenarios reach, lists plans the pre-merge / post-merge / on-demand test lists from cost
-budgets, gates runs the accuracy gates, and report does what is outdated, then writes reports/."""
+budgets, gates runs the accuracy gates, diff says what a change did to the certification against a
+git revision, and report does what is outdated, then writes reports/."""
 
 from __future__ import annotations
 
@@ -278,6 +279,25 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     return 1 if by.get(MISMATCH) or catalog.errors else 0
 
 
+def _cmd_diff(args: argparse.Namespace) -> int:
+    from certify.diff import Snapshot, base_snapshot, compare, layout_of, render  # noqa: PLC0415
+
+    paths = project_paths()
+    layout = layout_of(paths)
+    try:
+        base, handle = base_snapshot(args.base, paths.root, layout)
+    except ValueError as e:
+        print(f"certify diff: {e}", file=sys.stderr)
+        return 2
+    with handle:
+        text = render(compare(base, Snapshot.read(paths.root, layout)), args.base)
+    if args.out:
+        from certify.atomic import atomic_write_text  # noqa: PLC0415
+        atomic_write_text(args.out, text)
+    print(text, end="")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     choose_triton_mode()
     p = argparse.ArgumentParser(prog="certify", description=__doc__)
@@ -323,6 +343,11 @@ def main(argv: list[str] | None = None) -> int:
     ls.add_argument("--collect", action="store_true", help="first re-collect the item universe "
                                                            "(test_lists/items.json)")
     ls.set_defaults(fn=_cmd_lists)
+    df = sub.add_parser("diff", help="what the working tree's change did to the certification "
+                                     "against a git revision (Markdown for a PR comment)")
+    df.add_argument("base", metavar="BASE", help="the git revision to compare with (e.g. main)")
+    df.add_argument("--out", metavar="FILE", default=None, help="also write the Markdown to FILE")
+    df.set_defaults(fn=_cmd_diff)
     from certify.gatecli import add_parser as add_gates_parser  # noqa: E402 (its own module)
     add_gates_parser(sub)
     args = p.parse_args(argv)
