@@ -5,9 +5,9 @@ checks read runs once on the gate's engine, a paired check also runs it on the c
 compared with, in the same run. The framework does not interpret ``engine``: it is the target's
 configuration, passed through to the target (``[tool.certify] gate_target``), which validates it.
 
-    gate: mtp3_fp8_kv
-    summary: MTP draft 3 over an fp8 KV cache
-    why: the lossy KV storage under speculation, with the draft layer's acceptance
+    gate: draft3_fp8_kv
+    summary: speculation with 3 draft tokens over an fp8 KV cache
+    why: the lossy KV storage under speculation, with the draft's acceptance
     tier: postmerge
     engine: {kv_cache_dtype: fp8, speculative: {draft_length: 3}}
     tasks:

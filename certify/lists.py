@@ -268,7 +268,7 @@ def build_items(records: list[dict], durations: dict[str, float], b: Budgets, re
             f += [f"property:{o}" for o in rec.get("properties", ())]
             named = set(rec.get("guards", ())) | set(rec.get("properties", ()))
             rest = rec["id"]
-            for o in op_words:  # ops the test names (longest first: gdn_decode before gdn)
+            for o in op_words:  # ops the test names (longest first: ab_c before ab)
                 if o in rest:
                     named.add(o)
                     rest = rest.replace(o, " ")

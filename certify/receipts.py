@@ -176,7 +176,7 @@ def numpy_blas() -> str | None:
     """numpy's BLAS library, its version and the CPU kernel family it picked at load, e.g.
     ``openblas 0.3.31.188.0 Haswell``. Triton's interpreter computes every ``tl.dot`` as a numpy
     matmul, and OpenBLAS's kernel families sum a dot's products in different orders: on one AVX-512
-    CPU the interpreter's GDN prefill gives other last bits under ``SkylakeX`` than under ``Haswell``
+    CPU an interpreted chunked kernel gives other last bits under ``SkylakeX`` than under ``Haswell``
     (an Intel and an AMD machine pick these). Its thread count is left out: OpenBLAS splits a GEMM's
     rows and columns among threads, never a sum."""
     import numpy  # noqa: F401  (threadpoolctl lists the libraries already loaded)

@@ -1,7 +1,7 @@
-"""Peer packages a variant calls (FlashInfer, say): whether they are installed here, why a target is
-skipped without them, and the versions a receipt records.
+"""Peer packages a variant calls (a vendor kernel library, say): whether they are installed here,
+why a target is skipped without them, and the versions a receipt records.
 
-A variant's module declares them in a module-level ``REQUIRES = ("flashinfer",)`` and imports them
+A variant's module declares them in a module-level ``REQUIRES = ("some_package",)`` and imports them
 inside its functions, so the module (and the catalog) loads without them. The declaration is read
 from the module's source, without importing it: asking costs no import and runs no module code.
 """
