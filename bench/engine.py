@@ -161,7 +161,10 @@ def main() -> None:
     if cuda:
         from bench_common import copy_bandwidth  # noqa: PLC0415
         bw = copy_bandwidth()
-        where = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}; copy bandwidth "
+        import triton  # noqa: PLC0415
+
+        where = (f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
+                 f"{triton.__version__}; copy bandwidth "
                  f"{bw / 1e9:.0f} GB/s (read + write); weights drawn in {drawn:.0f} s, "
                  f"{torch.cuda.memory_allocated() / 2**30:.1f} GiB held")
     else:

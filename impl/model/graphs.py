@@ -128,14 +128,13 @@ class DecodeGraphs:
         host[0, n:] = 0
         host[1, n:] = self.scratch
         host[2, n:] = torch.arange(B - n) % self.padding_positions
-        host[3, n:] = host[2, n:] + 1
         host[4:6, n:] = self.model.cfg.pad_id
         if n:
             host[0, :n] = torch.tensor(ids, dtype=torch.int64)
             host[1, :n] = torch.tensor([sp.slot for sp in spans], dtype=torch.int64)
             host[2, :n] = torch.tensor([sp.start for sp in spans], dtype=torch.int64)
-            host[3, :n] = host[2, :n] + 1
             host[4:6, :n] = cache.ple_history[host[1, :n]].T
+        host[3] = host[2] + 1                       # each row's length after the step
         width = g.rows.table.shape[1]
         g.staged_table.copy_(cache.pages.block_table[:, :width])
         dev = host.to(self.device, non_blocking=True)
@@ -187,6 +186,5 @@ class DecodeGraphs:
         self._fill(g, spans, ids)
         g.graph.replay()
         self.replays += 1
-        host_rows = StepRows.build(spans)
-        Model.advance(torch.tensor(ids, dtype=torch.int64), host_rows, self.cache)
+        Model.advance(torch.tensor(ids, dtype=torch.int64), spans, self.cache)
         return StepOutput(g.out.logits[:n], g.out.hidden[:n], logit_rows=None)

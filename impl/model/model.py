@@ -309,18 +309,18 @@ class Model:
         """e [N, L, P]: the one-token spans (decode rows, a prompt's 1-token chunk) in one call with
         a history per row, each longer span in a call of its own with its request's history."""
         cfg, w, act, dev = self.cfg, self.w, self.act, ids_dev.device
-        e = torch.empty(rows.rows, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
         single = [sp for sp in rows.spans if sp.rows == 1]
-        if len(single) == rows.rows:                   # every row its own request: no gather
-            hist = rows.ple_history
-            if hist is None:
-                hist = cache.ple_history[torch.tensor([sp.slot for sp in single])].to(dev)
-            e = self.ops.ple_embed(ids_dev, hist, x_emb, w.ple, act, "decode_rows", cfg.num_layers)
-        elif single:
-            idx = torch.tensor([sp.lo for sp in single])
+        hist = rows.ple_history
+        if single and hist is None:
             hist = cache.ple_history[torch.tensor([sp.slot for sp in single])].to(dev)
-            e[idx.to(dev)] = self.ops.ple_embed(ids_dev[idx.to(dev)], hist, x_emb[idx.to(dev)],
-                                                w.ple, act, "decode_rows", cfg.num_layers)
+        if len(single) == rows.rows:                   # every row its own request: no gather
+            return self.ops.ple_embed(ids_dev, hist, x_emb, w.ple, act, "decode_rows",
+                                      cfg.num_layers)
+        e = torch.empty(rows.rows, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
+        if single:
+            idx = torch.tensor([sp.lo for sp in single], device=dev)
+            e[idx] = self.ops.ple_embed(ids_dev[idx], hist, x_emb[idx], w.ple, act, "decode_rows",
+                                        cfg.num_layers)
         for sp in rows.spans:
             hist = cache.ple_history[sp.slot]
             if sp.rows > 1:
@@ -357,7 +357,7 @@ class Model:
         ``logit_rows`` are read out through the LM head (default: every row): a prompt chunk needs
         the logits of its last row at most, and 8192 rows of a 151936-word head would be 5 GB."""
         out = self.trunk_forward(ids, ids.to(self.w.device), rows, cache, logit_rows)
-        self.advance(ids, rows, cache)
+        self.advance(ids, rows.spans, cache)
         return out
 
     def trunk_forward(self, ids: torch.Tensor, ids_dev: torch.Tensor, rows: StepRows,
@@ -381,9 +381,9 @@ class Model:
         return StepOutput(logits, m, record, handover.kept, logit_rows)
 
     @staticmethod
-    def advance(ids: torch.Tensor, rows: StepRows, cache: EngineCache) -> None:
+    def advance(ids: torch.Tensor, spans: list[Span], cache: EngineCache) -> None:
         """The host side of a trunk step: each request's n-gram history and stored length."""
-        for sp in rows.spans:
+        for sp in spans:
             cache.ple_history[sp.slot] = ple_history_advance(cache.ple_history[sp.slot],
                                                              ids[sp.lo:sp.hi])
             cache.lengths[sp.slot] = sp.start + sp.rows
