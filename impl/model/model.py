@@ -314,10 +314,11 @@ class Model:
         if single and hist is None:
             hist = cache.ple_history[torch.tensor([sp.slot for sp in single])].to(dev)
         if len(single) == rows.rows:                   # every row its own request: no gather
-            return self.ops.ple_embed(ids_dev, hist, x_emb, w.ple, act, "decode_rows",
-                                      cfg.num_layers)
-        e = torch.empty(rows.rows, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
-        if single:
+            e = self.ops.ple_embed(ids_dev, hist, x_emb, w.ple, act, "decode_rows",
+                                   cfg.num_layers)
+        else:
+            e = torch.empty(rows.rows, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
+        if single and len(single) < rows.rows:
             idx = torch.tensor([sp.lo for sp in single], device=dev)
             e[idx] = self.ops.ple_embed(ids_dev[idx], hist, x_emb[idx], w.ple, act, "decode_rows",
                                         cfg.num_layers)
