@@ -30,8 +30,8 @@ from certify.catalog import CatalogError, load_op_file
 from certify.harness import certify_cell, certifying_problem
 from certify.paths import project_paths
 from certify.plan import Target, targets
+from certify.codehash import content_hash
 from certify.receipts import (
-    content_hash,
     library_versions,
     load_receipts,
     make_receipt,

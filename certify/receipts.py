@@ -24,29 +24,22 @@ or delete.
 
 from __future__ import annotations
 
-import ast
 import datetime as dt
 import functools
-import hashlib
-import importlib.util
 import json
 import os
 import platform
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from certify.atomic import atomic_write_bytes, locked
+from certify.codehash import content_hash
 from certify.harness import Outcome, seed_for
-from certify.paths import project_paths
 from certify.requirements import versions as required_versions
 from certify.schema import Cell, OpFile
-
-_FRAMEWORK_ORACLE_MODULES = ("certify.oracles", "certify.harness")
-
 
 class Receipt(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -68,71 +61,6 @@ class Receipt(BaseModel):
     @property
     def key(self) -> tuple[str, str, str]:
         return (self.op, self.variant, self.cell)
-
-
-@lru_cache(maxsize=None)
-def _module_file(name: str) -> Path | None:
-    top = name.partition(".")[0]
-    if top != name and _module_file(top) is None:
-        return None  # never import a third-party package just to locate one of its submodules
-    try:
-        spec = importlib.util.find_spec(name)
-    except (ImportError, ValueError):
-        return None
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    path = Path(spec.origin).resolve()
-    root = project_paths().root.resolve()
-    return path if root in path.parents and "site-packages" not in path.parts else None
-
-
-def _imports(path: Path, module: str) -> set[str]:
-    tree = ast.parse(path.read_text())
-    out: set[str] = set()
-    pkg = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:
-                parts = pkg.split(".")
-                base = ".".join(parts[: len(parts) - node.level + 1] + ([base] if base else []))
-            out.add(base)
-            out.update(f"{base}.{a.name}" for a in node.names)
-    return out
-
-
-@lru_cache(maxsize=None)
-def module_closure(module: str) -> tuple[tuple[str, str], ...]:
-    """(module, sha256 of its source) for a project module and every project module it imports."""
-    seen: dict[str, str] = {}
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        if name in seen:
-            continue
-        path = _module_file(name)
-        if path is None:
-            continue
-        seen[name] = hashlib.sha256(path.read_bytes()).hexdigest()
-        todo.extend(_imports(path, name))
-    return tuple(sorted(seen.items()))
-
-
-def content_hash(op: OpFile, variant_name: str, cell: Cell) -> str:
-    variant = op.variant(variant_name)
-    h = hashlib.sha256()
-    parts = {
-        "spec": [op.spec, module_closure(op.spec.partition(":")[0])],
-        "variant": [variant.model_dump(mode="json"),
-                    module_closure(op.impl_path(variant).partition(":")[0])],
-        "inputs": [op.inputs, module_closure(op.inputs.partition(":")[0])],
-        "cell": cell.model_dump(mode="json"),
-        "oracle": [module_closure(m) for m in _FRAMEWORK_ORACLE_MODULES],
-    }
-    h.update(json.dumps(parts, sort_keys=True, default=str).encode())
-    return h.hexdigest()[:24]
 
 
 def library_versions() -> dict[str, str]:

@@ -18,9 +18,9 @@ from certify.schema import Variant
 
 @lru_cache(maxsize=None)
 def _declared_in(module: str) -> tuple[str, ...]:
-    from certify.receipts import _module_file   # the project's own modules, located like receipts do
+    from certify.codehash import project_module_file
 
-    path = _module_file(module)
+    path = project_module_file(module)
     if path is None:
         return ()
     for node in ast.parse(path.read_text()).body:

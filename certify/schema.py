@@ -19,6 +19,11 @@ _IDENT = r"^[a-z][a-z0-9_]*$"
 _CALLABLE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
+# A field that says why, not what: left out of the content hash (``certify.codehash``), so
+# rewording it leaves every receipt fresh.
+NOT_HASHED = {"hashed": False}
+
+
 class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -29,7 +34,7 @@ class Axis(Strict):
     kind: Literal["int", "choice"]
     reach: tuple[int, int] | None = Field(None, description="inclusive [lo, hi] for an int axis")
     values: tuple[str | int | bool, ...] | None = Field(None, description="the choices of a choice axis")
-    doc: str = ""
+    doc: str = Field("", json_schema_extra=NOT_HASHED)
 
     @model_validator(mode="after")
     def _domain(self) -> "Axis":
@@ -61,7 +66,7 @@ class Variant(Strict):
     specialisations: int = Field(1, ge=1, description=(
         "compiled specialisations of this variant (e.g. tile configurations chosen per shape): the "
         "at-most-three-cells rule allows as many cells as specialisations when they are more than three"))
-    doc: str = ""
+    doc: str = Field("", json_schema_extra=NOT_HASHED)
 
     @field_validator("dispatch")
     @classmethod
@@ -78,8 +83,10 @@ class OutputBand(Strict):
 
     max_ulp: float = Field(gt=0, description="max |out - ref| / ulp(row max |ref|), per element")
     max_rel_rms: float = Field(gt=0, description="max rms(out - ref) / rms(ref), in units of dtype eps")
-    derivation: str = Field(min_length=20, description="why this band: the rounding points it sums")
-    measured_ulp: float | None = Field(None, description="worst case measured when the band was set")
+    derivation: str = Field(min_length=20, description="why this band: the rounding points it sums",
+                            json_schema_extra=NOT_HASHED)
+    measured_ulp: float | None = Field(None, description="worst case measured when the band was set",
+                                       json_schema_extra=NOT_HASHED)
     allow_matching_inf: bool = Field(False, description="an inf equal to the reference's passes")
 
 
@@ -107,7 +114,8 @@ class Oracle(Strict):
 class Cell(Strict):
     id: str = Field(pattern=_IDENT)
     axes: dict[str, str | int | bool]
-    why: str = Field(min_length=10, description="what this cell covers that the others do not")
+    why: str = Field(min_length=10, description="what this cell covers that the others do not",
+                     json_schema_extra=NOT_HASHED)
     tier: Tier
     oracle: Oracle
     variants: tuple[str, ...] | None = Field(
@@ -117,7 +125,8 @@ class Cell(Strict):
                           "cell too large for the CPU, say so in its why")
     adds: str | None = Field(None, min_length=10, description=(
         "only for a cell beyond the at-most-three-cells rule of its variants (more when a variant has "
-        "more compiled specialisations): what this extra cell adds that their other cells do not"))
+        "more compiled specialisations): what this extra cell adds that their other cells do not"),
+        json_schema_extra=NOT_HASHED)
 
 
 class NotCertified(Strict):

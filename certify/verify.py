@@ -27,10 +27,10 @@ from certify.archs import present_archs
 from certify.catalog import Catalog
 from certify.harness import Outcome, certify_cell
 from certify.plan import Target, targets
+from certify.codehash import content_hash
 from certify.receipts import (
     CPU_DISPATCH_SETTINGS,
     Receipt,
-    content_hash,
     evidence_problems,
     library_versions,
     load_receipts,

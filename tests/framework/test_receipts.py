@@ -8,8 +8,8 @@ import pytest
 from certify.catalog import load_op_file
 from certify.harness import Outcome, certify_cell
 from certify.paths import project_paths
+from certify.codehash import content_hash
 from certify.receipts import (
-    content_hash,
     evidence_problems,
     freshness,
     load_receipts,
@@ -88,7 +88,7 @@ def test_a_failing_receipt_reads_failed_and_no_receipt_reads_not_run(op):
 def test_changing_the_cell_makes_the_receipt_stale(op):
     cell = op.cells[0]
     r = make_receipt(op, "torch", cell, "cpu", Outcome("passed"))
-    edited = cell.model_copy(update={"why": cell.why + " (edited)"})
+    edited = cell.model_copy(update={"axes": {**cell.axes, "rows": 7}})
     assert freshness(r, op, "torch", edited) == "stale"
 
 
@@ -101,11 +101,11 @@ def test_changing_the_variant_entry_makes_the_receipt_stale(op):
 
 def test_the_hash_covers_the_source_of_the_modules_involved(op, monkeypatch):
     """Editing any project module the spec imports (here spec.numerics) changes the hash."""
-    from certify import receipts
+    from certify import codehash
 
     cell = op.cells[0]
     before = content_hash(op, "torch", cell)
-    real = receipts.module_closure.__wrapped__
+    real = codehash.module_closure.__wrapped__
 
     def edited(module):
         out = dict(real(module))
@@ -113,7 +113,7 @@ def test_the_hash_covers_the_source_of_the_modules_involved(op, monkeypatch):
             out["spec.numerics"] = "0" * 64
         return tuple(sorted(out.items()))
 
-    monkeypatch.setattr(receipts, "module_closure", edited)
+    monkeypatch.setattr(codehash, "module_closure", edited)
     assert content_hash(op, "torch", cell) != before
     assert "spec.numerics" in dict(real("spec.ops.norms"))
 
