@@ -28,19 +28,17 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
   prologue's pieces.
 - 8 warps: the two warp groups split each product's columns (warps [4, 2]), so both issue wgmma and
   each thread holds half of every tile (237-241 registers and no spills at every cell, triton 3.6;
-  one warp group spilled at 255 registers).
+  one warp group spills at 255 registers).
 - o goes to an fp32 buffer whose sequences are padded to whole chunks, so a chunk's 64 rows are
   stored unmasked (a partial last chunk's rows past T are zeros there, and the norm never reads
-  them): the store masked at T cost 10-11 spilled values in every specialisation where T is not a
-  multiple of 16.
+  them): a store masked at T costs 10-11 spilled values in every specialisation where T is not a
+  multiple of 16 (triton 3.6).
 - The waits follow the state's chain (KS^T, U^T, the update); the products that reach only o stay
   in flight past them. The row factors and v are read while KS^T is in flight; qS^T is issued after
   U^T's products and finishes while the deltas and U^T are split; the next chunk's S^T pieces are
-  split and stored while o's products finish. Bitwise the same results as waiting for KS^T and qS^T,
-  then for the update and o, together; the state pass went 749.1 -> 721.5 us at T = 8192 with qS^T
-  after U^T, then, with the next chunk's pieces stored while o's products finish, 854.5 -> 801.9 us at
-  T = 8100 and 440.8 -> 413.8 at T = 4101 (where the kernel spilled) and 722.0 -> 719.1 at T = 8192
-  (same-run comparisons: reports/bench/gdn_prefill.md, section 000000).
+  split and stored while o's products finish. The results are bitwise those of waiting for KS^T and
+  qS^T, then for the update and o, together, and the state pass is faster for it (721.5 against
+  749.1 us at T = 8192 on the H200 for qS^T alone; reports/bench/kernel-notes.md, "GDN prefill").
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
   chunk reads the next sequence's rows (zeros past the tensor). They are set to zero in shared memory
   before use, as triton_chunked's masked loads would read them (Aib's rows and columns past T are zeros
@@ -54,11 +52,11 @@ relative (1*1, 1*2, 2*1, 1*3, 2*2, 3*1), about 2^-24 like tf32x3. The output's o
 reach only o (qS^T and U^T QKD^T), keep what holds each of o's two terms within 2^-16 relative of
 itself (their sum can cancel, so not every element of o): two pieces of S^T against q, and the three
 piece products 1*1, 1*2, 2*1 of U^T and QKD. o is rounded to bf16 after the gated
-norm (unit roundoff 2^-8 relative), so 2^-16 is about 2^-8 of that rounding: on the H200 the final
-state stayed bitwise the same, 0.26 % of out's elements changed by one rounding, and every cell's out
-error stayed where it was (reports/bench/gdn_prefill.md, section 00000, item 3); the state pass took
-745 us instead of 848 at T = 8192. (A tf32 operand, 2^-11, was too coarse: triton_chunked's
-docstring.) Accumulation is fp32 throughout. The sums run in another order than triton_chunked's, so
+norm (unit roundoff 2^-8 relative), so 2^-16 is about 2^-8 of that rounding: against every piece
+product down to 2^-24 the final state is bitwise the same and every cell's out error unchanged, with
+0.26 % of out's elements one rounding apart (reports/bench/gdn_prefill.md, section 00000, item 3;
+reports/bench/kernel-notes.md, "GDN prefill"). A tf32 operand (2^-11) is too coarse for o
+(triton_chunked's docstring). Accumulation is fp32 throughout. The sums run in another order than triton_chunked's, so
 the two agree to rounding, not bitwise.
 
 Gluon has no interpreter: this variant runs on sm_90 only, and the CPU certifies triton_chunked.
@@ -303,19 +301,18 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
 # runs on a high-priority stream while the prologue of range i + 1 fills the SMs it leaves, and the gated
 # norm of range i follows on a third stream. The first range's prologue runs alone, and the next range's
 # prologue, on the SMs the state pass leaves, must end before that state pass does: so the ranges
-# shorten, each RATIO times the one before. Rule (``default_schedule``), from repeated medians on the
-# H200 (reports/bench/gdn_prefill.md, section 00000; three rounds each, spread under 1 %):
-# - one sequence of 64 chunks or more: three ranges, RATIO 0.6 (T = 4096 / 8192 / 16384: 589 / 1114 /
-#   2147 us, against 634 / 1172 / 2255 for two equal ranges and 647 / 1272 / 2530 for one; ratios 0.7
-#   and 0.8, and four ranges, were slower);
+# shorten, each RATIO times the one before. Rule (``default_schedule``), the fastest of the schedules
+# timed on the H200 (reports/bench/gdn_prefill.md, section 00000, item 1; the figures:
+# reports/bench/kernel-notes.md, "GDN prefill"):
+# - one sequence of 64 chunks or more: three ranges, RATIO 0.6 (1114 us at T = 8192, against 1172 for
+#   two equal ranges and 1272 for one; other ratios and four ranges are slower);
 # - otherwise two equal ranges once there are 64 chunks of work (sequences x chunks) and each range
-#   keeps 16 chunks of every sequence, else one. Two sequences of 2048 tokens: two equal ranges 612 us,
-#   one 651, three unequal 644 (their 192 state-pass programs fill the SMs: no prologue runs beside
-#   them, so nothing is gained by shortening). One sequence of 2048: one range 332 us, two 356. 32
-#   sequences of 100 tokens: one range 668 us, two 776.
+#   keeps 16 chunks of every sequence, else one. A batch's state-pass programs fill the SMs (192 for
+#   two sequences): no prologue runs beside them, so nothing is gained by shortening; shorter work
+#   pays more for the extra launches than the overlap hides.
 RATIO = 0.6
 MIN_CHUNKS_A_RANGE = 16     # of every sequence, for the equal ranges
-PREP_WARPS = 4      # the prologue's warps (8: 462 against 312 us at T = 8192)
+PREP_WARPS = 4      # the prologue's warps (8 are slower: 462 against 312 us at T = 8192)
 _STREAMS: dict = {}
 
 

@@ -14,8 +14,8 @@ Three launches:
    their Neumann series, the blocks below them by block forward substitution, one sub-diagonal at a
    time; batched 16 x 16 tf32x3 dots throughout). With PIECES (gluon_chunked's launch) it also writes
    the bf16 pieces of Aib (three) and of the decayed q.k scores (two) for its state pass. One program
-   a value head, with its own k.k and q.k, took 380 us at long_t8192 on the H200 with PIECES, against
-   312 us.
+   a value head, with its own k.k and q.k, is slower: 380 against 312 us at long_t8192 on the H200
+   with PIECES (reports/bench/kernel-notes.md, "GDN prefill").
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
@@ -30,11 +30,11 @@ l2norm factors are applied to the dot's result), so a dot of q or k with a bf16 
 products and fp32 accumulation. The fp32 operand x of such a dot (the state S, the scaled deltas U) is
 split into three bf16 pieces ``x = x1 + x2 + x3`` (each the nearest bf16 of what the previous left,
 about 2^-24 relative together) and the dot is three bf16 tensor-core dots: fp32-accurate at half the
-tensor-core time and half the operand registers of the earlier tf32 hi/lo split (this revision; the
-previous one held q and k as fp32 tiles and spilled at the 255-register cap). Dots of two fp32 operands
-(Aib times the right-hand side, QKD times U, the block products of the inverse) are ``tf32x3``. The
-output is fp32-accurate too: a one-tf32-operand output (2^-11 relative on o) flipped enough first
-roundings of the gated norm on the H200 for one element of long_t8192 to land 2.01 ulp off (band 2).
+tensor-core time and half the operand registers of a tf32 hi/lo split (q and k held as fp32 tiles for
+that split spill at the 255-register cap). Dots of two fp32 operands (Aib times the right-hand side,
+QKD times U, the block products of the inverse) are ``tf32x3``. The output is fp32-accurate too: a
+one-tf32-operand output (2^-11 relative on o) flips enough first roundings of the gated norm on the
+H200 for one element of long_t8192 to land 2.01 ulp off (band 2).
 Triton's interpreter multiplies bf16 tensors as raw 16-bit integers, so there the bf16 operands go
 through fp32 (exact) and every dot is an fp32 numpy matmul.
 """
@@ -171,9 +171,9 @@ def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq,
         + i4[:, None, None] * 16 + r16[None, None, :]
     Ad = tl.load(ai_buf + diag_blocks)
     # A_b is strictly lower (A_b^16 = 0): (I + A_b)^{-1} = (I - A_b)(I + A_b^2)(I + A_b^4)(I + A_b^8),
-    # six batched 16 x 16 tf32x3 dots for the four blocks at once (X[b] = D_b below). With a row-by-row
-    # forward substitution instead (15 dependent steps of cross-thread reductions and barriers) this
-    # kernel took 636 us on the H200 at long_t8192, against 401 us, with the same errors against float64
+    # six batched 16 x 16 tf32x3 dots for the four blocks at once (X[b] = D_b below). A row-by-row
+    # forward substitution (15 dependent steps of cross-thread reductions and barriers) gives the same
+    # errors against float64 and is slower: 636 against 401 us for this kernel at long_t8192 (H200)
     L2 = tl.dot(Ad, Ad, input_precision="tf32x3")
     L4 = tl.dot(L2, L2, input_precision="tf32x3")
     L8 = tl.dot(L4, L4, input_precision="tf32x3")
@@ -185,9 +185,9 @@ def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq,
     # X[i, j] = -D_i sum_{k=j}^{i-1} A[i, k] X[k, j], one sub-diagonal at a time (i - j = 1, 2, 3),
     # each a batch of four 16 x 16 tf32x3 dots over the block rows i (rows i < i - j masked). Blocks
     # pass between steps through this program's part of ai_buf (A's sub-diagonal blocks are read
-    # first, since X overwrites them). With dense 64 x 64 products of the nilpotent block form
-    # (I - N + N^2 - N^3) D instead, this kernel took 404 us on the H200 at long_t8192 (255 registers);
-    # with this, 249 us (154 registers), with the same errors against float64 on every cell.
+    # first, since X overwrites them). Dense 64 x 64 products of the nilpotent block form
+    # (I - N + N^2 - N^3) D give the same errors against float64 on every cell and cost more: 404 us
+    # (255 registers) against 249 us (154 registers) for this kernel at long_t8192 on the H200.
     base = (bh * NT + c).to(tl.int64) * 4096
     m1 = (i4 >= 1)[:, None, None]
     m2 = (i4 >= 2)[:, None, None]
