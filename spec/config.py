@@ -1,9 +1,9 @@
-"""The model's geometry as one validated object (MATH.md, "Geometry").
+"""The model's geometry as one validated object (docs/spec.md, "Geometry").
 
 ``ModelConfig`` holds every shape the spec model (spec/model.py) is built from. Two presets:
 
-- ``ModelConfig.target()``: MATH.md's target column, the deployment geometry the cells are certified at.
-  MATH.md names no vocabulary size; this spec takes Qwen3-Next's, **151936**, with pad id 151643
+- ``ModelConfig.target()``: the target column of docs/spec.md, the deployment geometry the cells are
+  certified at. The vocabulary size is a spec decision: Qwen3-Next's, **151936**, with pad id 151643
   (Qwen's ``<|endoftext|>``).
 - ``ModelConfig.tiny()``: the trained-checkpoint geometry (<= 10M parameters): hidden 128, 4 layers
   (layer 3 is the one QSA layer), vocab 256 so a byte tokenizer fits, GQA ratio 12 (24 q heads on 2 KV
@@ -13,7 +13,7 @@ A combination the spec cannot run is refused when the config is built, never mid
 violated rule becomes one error of a pydantic ``ValidationError`` whose ``loc`` is the field at fault and
 whose message starts with that field's name (see ``_violations``).
 
-Decisions where MATH.md is silent (pinned in tests/spec/test_config.py):
+Decisions left to the spec by docs/spec.md (pinned in tests/spec/test_config.py):
 - The n-gram table's size. Each hash head's modulus is a distinct prime; head k (order 2's heads first,
   then order 3's) takes the k-th largest prime below ``ple_ngram_rows`` (``ple_hash_primes``). Target:
   ``ple_ngram_rows = 65536``, so G has 16 x ~65.5K rows of L*P/16 = 768 values.
@@ -21,7 +21,8 @@ Decisions where MATH.md is silent (pinned in tests/spec/test_config.py):
   it, so any other value could not be honoured everywhere.
 - ``gdn_conv_kernel`` must be 4 and ``tokens_per_block`` must be 32: spec/ops/gdn.py and spec/ops/qsa.py
   hard-code them.
-- ``mtp_layers`` is 0 (no draft layer) or 1 (MATH.md's one draft layer, reused by every draft step).
+- ``mtp_layers`` is 0 (no draft layer) or 1 (the one draft layer of docs/spec.md, reused by every
+  draft step).
 - Parameter counts (``param_count``) count logical weight elements: an NVFP4 expert matrix [out, in]
   counts out*in, its block and global scales are storage, not parameters. The KV-cache global scales are
   not counted either. The LM head is untied from the embedding (``tie_embeddings = False``, as in
@@ -64,7 +65,7 @@ def largest_primes_below(bound: int, count: int) -> tuple[int, ...]:
 
 
 class ModelConfig(BaseModel):
-    """The geometry of the Flash-Next model (field names follow MATH.md's geometry table)."""
+    """The geometry of the Flash-Next model (field names follow docs/spec.md, "Geometry")."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
@@ -115,7 +116,7 @@ class ModelConfig(BaseModel):
 
     @classmethod
     def target(cls) -> ModelConfig:
-        """MATH.md's target column (vocab 151936, Qwen3-Next's; see the module docstring)."""
+        """The target column of docs/spec.md (vocab 151936, Qwen3-Next's; see the module docstring)."""
         return cls(
             hidden=3072, num_layers=48, vocab_size=151936, pad_id=151643,
             num_q_heads=24, num_kv_heads=2, head_dim=256, rotary_dim=64, rope_theta=1e7,
@@ -356,7 +357,7 @@ class ModelConfig(BaseModel):
     def gdn_state_bytes_per_slot(self, state_dtype: StateDtypeName = "fp32") -> int:
         """Recurrent GDN state of one request over all GDN layers: HV x d_k x d_v x bytes x layers.
 
-        Target, fp32: 48 x 128 x 128 x 4 B x 36 = 113,246,208 B (MATH.md's 113 MB); bf16: half.
+        Target, fp32: 48 x 128 x 128 x 4 B x 36 = 113,246,208 B (113 MB, docs/spec.md); bf16: half.
         """
         if state_dtype not in _STATE_BYTES:
             raise ValueError(f"state_dtype must be 'fp32' or 'bf16', got {state_dtype!r}")

@@ -1,7 +1,7 @@
 """The reference forward of the whole Flash-Next model: trunk, LM head and the MTP draft layer.
 
-One readable file that composes the spec ops (spec/ops/*) exactly as MATH.md assembles them. It runs the
-``tiny`` config on the CPU in seconds (fp32 by default, float64 for the reference) and the ``target``
+One readable file that composes the spec ops (spec/ops/*) exactly as docs/spec.md assembles them. It
+runs the ``tiny`` config on the CPU in seconds (fp32 by default, float64 for the reference) and the ``target``
 config on meta tensors (shapes only).
 
 Following one token through ``forward``
@@ -31,8 +31,8 @@ step's chunk of s).
 (``mtp_draft_input``), starts n streams at h', runs one decoder layer (QSA + MoE, with HC, no PLE) with
 its own KV cache, and reads out through the shared final norm and LM head.
 
-Decisions where MATH.md is silent (pinned in tests/spec/test_model.py)
-----------------------------------------------------------------------
+Decisions left to the spec by docs/spec.md (pinned in tests/spec/test_model.py)
+-------------------------------------------------------------------------------
 - Activation dtype = the weights' dtype: fp32 weights give an fp32 model (no bf16 rounding point),
   bf16 weights the deployment numerics (bf16 activations, fp32 accumulation), float64 the reference
   (every activation rounding point an identity; the nvfp4 quantisers of the experts still round).
@@ -42,21 +42,21 @@ Decisions where MATH.md is silent (pinned in tests/spec/test_model.py)
   q, output gate, k, v, index queries qI [HI*DI], index key kI [DI] (then rmsnorm with its own
   zero-centred weight), index head weights wI [HI] (the raw projection, no scaling).
 - PLE sits inside the mixer's HC site, as part of its sublayer: ``y = ple_apply(mixer(u), e_l)``, so
-  H_post gates it like the mixer output. MATH.md says "in layer l after the mixer: x += ..." without
-  placing it relative to HC; "start: all n streams are the token's embedding (plus PLE, below)" is read
-  as: the streams start at the embedding alone, PLE enters in each layer.
+  H_post gates it like the mixer output; the streams start at the embedding alone, PLE enters in each
+  layer (docs/spec.md, "PLE with hashed n-grams" and "Hyper-connections").
 - The MTP draft layer has no PLE (the table is per trunk layer), its own rmsnorms before its two HC
-  sites, its own index (no IndexShare: MATH.md's "may reuse" is an optimisation this reference does not
-  take), and streams that start as n copies of h'. Its output hidden (for the next draft step) is its
-  stream mean m before the final norm, and the trunk's ``h_prev`` is likewise the trunk's m (pre-norm).
-  A draft row pairing (h_t, x_{t+1}) sits at position t of the draft layer's own cache (DeepSeek-V3 /
-  vLLM convention); ``cache.mtp_lengths`` counts the rows the draft layer has stored.
+  sites, its own index (no IndexShare: the reuse of docs/spec.md, "QSA" item 7 is an optimisation this
+  reference does not take), and streams that start as n copies of h'. Its output hidden (for the next
+  draft step) is its stream mean m before the final norm, and the trunk's ``h_prev`` is likewise the
+  trunk's m (pre-norm). A draft row pairing (h_t, x_{t+1}) sits at position t of the draft layer's
+  own cache (DeepSeek-V3 / vLLM convention); ``cache.mtp_lengths`` counts the rows the draft layer has
+  stored.
 - logits: fp32 and float64 models return the LM-head output unrounded; a bf16 model returns
   ``logits_cast`` of the bf16 LM-head output (fp32).
 - Stored planes: KV pools in ``kv_dtype`` ('bf16', 'fp8', 'nvfp4'; None = the activation dtype, no
   storage rounding); in float64 mode 'bf16' storage is an activation rounding point and so stored as
   float64, while fp8 / nvfp4 always quantise. Index keys and block keys are stored in the activation
-  dtype (bf16 in deployment, as MATH.md states). nvfp4 KV global scales are per layer and K / V, part
+  dtype (bf16 in deployment, as docs/spec.md states). nvfp4 KV global scales are per layer and K / V, part
   of the weights (``QSAWeights.k_gs`` / ``v_gs``).
 - GDN state storage ``state_dtype`` (fp32 or bf16; float64 in reference mode). The GDN path is chosen
   per sequence, never per step, so a sequence's result does not depend on what the others bring: a
@@ -326,7 +326,7 @@ def init_weights(cfg: ModelConfig, seed: int = 0, dtype: torch.dtype = torch.flo
     device 'cpu' draws values; device 'meta' builds every tensor with its shape and dtype only; another
     device (cuda) draws there, from its own generator in fp32 (``_Draw``: another model than the CPU's
     for one seed, for benchmarks at the target's size). Scales:
-    projections N(0, 1/fan_in); embedding N(0, 1); zero-centred rmsnorm weights N(0, 0.1^2) (MATH.md
+    projections N(0, 1/fan_in); embedding N(0, 1); zero-centred rmsnorm weights N(0, 0.1^2) (docs/spec.md
     initialises them to 0; small noise makes a dropped or swapped weight visible); gated-norm weight
     1 + N(0, 0.1^2); A_log = log U(1, 16); dt_bias = softplus^-1 of a log-uniform dt in [1e-3, 0.1];
     HC: phi N(0, 0.25/(n*C)), biases small noise with 2 on the diagonal of l_res; NVFP4 experts quantised
@@ -656,7 +656,8 @@ def _linear(x: torch.Tensor, w: torch.Tensor, act: torch.dtype) -> torch.Tensor:
 def _hc_site(X: torch.Tensor, site: HCSiteWeights, norm_w: torch.Tensor,
              sublayer: Callable[[torch.Tensor], torch.Tensor], cfg: ModelConfig, act: torch.dtype
              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One HC site (MATH.md steps 1-4) around ``sublayer``: returns (new streams, their mean)."""
+    """One HC site (docs/spec.md, "Hyper-connections" steps 1-4) around ``sublayer``: returns (new
+    streams, their mean)."""
     v, r = hc_inject_norm(X, cfg.eps)
     coef = hc_first_projection(v, r, site.phi, site.bias, cfg.hc_streams, cfg.sinkhorn_iters)
     x_in = hc_pre(X, coef.h_pre, act)
@@ -774,7 +775,8 @@ def _select_shape_only(positions: torch.Tensor, cfg: ModelConfig) -> torch.Tenso
 
 def _qsa_mixer(u: torch.Tensor, w: QSAWeights, lc: QSALayerCache, cfg: ModelConfig, step: _Step,
                block_table: torch.Tensor, kv_dtype: str | None, act: torch.dtype) -> torch.Tensor:
-    """The QSA mixer on rows u [N, C] (MATH.md QSA items 1-6); updates the layer's planes in ``lc``."""
+    """The QSA mixer on rows u [N, C] (docs/spec.md, "QSA" items 1-6); updates the layer's planes in
+    ``lc``."""
     N, dev = u.shape[0], u.device
     hq, hkv, dh, hi, di = cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_heads, cfg.index_dim
     q = _linear(u, w.w_q, act).view(N, hq, dh)

@@ -19,7 +19,7 @@ def is_reference_mode(*tensors: torch.Tensor | None) -> bool:
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, reference: bool) -> torch.Tensor:
-    """An activation rounding point of MATH.md: cast to ``dtype`` and back to x's dtype.
+    """An activation rounding point of docs/spec.md: cast to ``dtype`` and back to x's dtype.
 
     In reference (float64) mode it is the identity, so a float64 run computes the ideal result.
     """

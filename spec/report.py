@@ -2,7 +2,7 @@
 
 ``summary()`` returns markdown lines: parameter counts of the target and tiny geometries, KV-cache bytes
 per token (per QSA layer and over all QSA layers) for bf16 / fp8 / nvfp4, the QSA side planes, and the
-recurrent-state bytes per request slot (fp32 / bf16), with MATH.md's 113 MB figure checked. Nothing is
+recurrent-state bytes per request slot (fp32 / bf16), with the 113 MB of docs/spec.md checked. Nothing is
 instantiated: every number comes from the shapes.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 from spec.config import ModelConfig, format_count
 
 KV_DTYPES = ("bf16", "fp8", "nvfp4")
-MATH_STATE_BYTES_FP32 = 48 * 128 * 128 * 4 * 36  # MATH.md: "113 MB per slot over 36 layers"
+MATH_STATE_BYTES_FP32 = 48 * 128 * 128 * 4 * 36  # docs/spec.md, "Geometry": 113 MB per slot, 36 layers
 
 
 def _mb(n: float) -> str:

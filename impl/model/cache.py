@@ -95,8 +95,8 @@ def scrub_pages(planes: QsaPlanes, pages: list[int]) -> None:
 
 def truncate_planes(planes: QsaPlanes, block_table_row: torch.Tensor, keep: int, upto: int) -> None:
     """Forget tokens ``keep .. upto - 1`` of one request (rollback), in place: their positions become
-    -1 and the key of every block that loses a token is removed (MATH.md, "Rollback / commit"). The
-    K / V and index slots keep their bytes: no row reads a position it has not stored."""
+    -1 and the key of every block that loses a token is removed (docs/spec.md, "Rollback / commit").
+    The K / V and index slots keep their bytes: no row reads a position it has not stored."""
     for b in range(keep // PAGE, (upto - 1) // PAGE + 1) if upto > keep else ():
         page = int(block_table_row[b])
         if page < 0:

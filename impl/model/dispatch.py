@@ -8,10 +8,10 @@ serves, so what runs and what is certified cannot disagree. Every choice is coun
 tracing, recorded with its axes (``trace``), so a forward always knows which variant of each op it ran.
 
 Batch-invariant mode restricts the choice to the ops' reference variants (``impl: spec``, the spec's
-own low-precision path): MATH.md states the spec path is batch-invariant by construction (row-wise math
-with a fixed reduction order), so in that mode a row's result cannot depend on the rows sharing its
-launch, and the engine's logits equal spec/model.py's bit for bit. A fast variant enters that mode only
-by becoming the reference, never by assumption.
+own low-precision path): docs/spec.md, "Batch invariance" states the spec path is batch-invariant by
+construction (row-wise math with a fixed reduction order), so in that mode a row's result cannot depend
+on the rows sharing its launch, and the engine's logits equal spec/model.py's bit for bit. A fast
+variant enters that mode only by becoming the reference, never by assumption.
 """
 
 from __future__ import annotations

@@ -385,7 +385,7 @@ class Engine:
         return emitted
 
     def _commit(self, plan, spans, out: StepOutput, num_accepted: torch.Tensor) -> None:
-        """Keep row num_accepted - 1 of every verified request (MATH.md, "Rollback / commit")."""
+        """Keep row num_accepted - 1 of every verified request (docs/spec.md, "Rollback / commit")."""
         rec = out.record
         slots = [seq.slot for seq, _, _ in plan]
         for li, layer in enumerate(self.cache.layers):
@@ -414,7 +414,7 @@ class Engine:
         """The draft layer reads rows (h_t, x_{t+1}) of the trunk, then drafts K tokens for every
         request whose next token is known (its last row's next token is the emitted one). With
         IndexShare the rows the trunk just computed reuse its last QSA layer's selection at the same
-        positions (MATH.md QSA item 7); the speculative rows past the trunk score their own."""
+        positions (docs/spec.md, "QSA" item 7); the speculative rows past the trunk score their own."""
         cache = self.cache
         spans, h_rows, sel_rows, ids, row = [], [], [], [], 0
         for seq, sp, nxt in items:

@@ -13,7 +13,7 @@ axes name it, a verify width when a cell certifies it. The rules run against a `
 geometry, catalog, arch); tests pass a modified catalog to exercise a rule the real one satisfies.
 
 Decisions:
-- ``kv_cache_dtype`` accepts 'fp16' and 'int8' besides the three MATH.md storage formats, and
+- ``kv_cache_dtype`` accepts 'fp16' and 'int8' besides the three storage formats of docs/spec.md, and
   ``state_dtype`` accepts 'fp16', so that their rules refuse them with their own message rather than a
   type error. ``model_dtype`` accepts 'bf16' | 'fp16' | 'fp32'; only bf16 (every ``act_dtype`` axis of
   the catalog) is supported.

@@ -1,7 +1,7 @@
 """The model's forward over one engine step: the trunk and the MTP draft layer, built from ``Ops``.
 
-It computes what spec/model.py computes (MATH.md's assembly, the same decisions: PLE inside the mixer's
-HC site, the GDN path chosen per request, verify rows decoded one at a time in the state's storage
+It computes what spec/model.py computes (the assembly of docs/spec.md, the same decisions: PLE inside
+the mixer's HC site, the GDN path chosen per request, verify rows decoded one at a time in the state's storage
 dtype), but over the engine's state: paged planes addressed through the engine's block table, the GDN
 state pool and conv windows indexed by slot, and every op dispatched through the catalog's variant
 rules. A verify step also returns what commit needs to roll back (``VerifyRecord``).

@@ -1,4 +1,4 @@
-"""Input builders of the GDN ops at the target geometry (MATH.md "GDN layer")."""
+"""Input builders of the GDN ops at the target geometry (docs/spec.md, "GDN layer")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Input builders and op adapters of the hyper-connection ops (MATH.md "Hyper-connections").
+"""Input builders and op adapters of the hyper-connection ops (docs/spec.md, "Hyper-connections").
 
 Geometry: n = 4 streams of width C = 3072, 20 Sinkhorn iterations. The streams are the residual
 state, kept in fp32 by the spec (never rounded to bf16); the sublayer output y arrives in bf16.

@@ -1,4 +1,4 @@
-"""Input builders and op adapters of the KV storage formats (MATH.md "KV storage").
+"""Input builders and op adapters of the KV storage formats (docs/spec.md, "KV storage").
 
 The ops' outputs are what a KV page holds and what attention reads back:
 - ``kv_fp8``:   the e4m3 byte of every element (``codes``, uint8) and its dequantized value in the

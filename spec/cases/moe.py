@@ -1,4 +1,4 @@
-"""Input builders and op adapters of the MoE ops (MATH.md "MoE").
+"""Input builders and op adapters of the MoE ops (docs/spec.md, "MoE").
 
 The spec functions of the routed experts and of the whole block take weight containers
 (``NvFp4Experts``, ``SharedExpert``); the adapters here build them from plain tensors, so a cell's

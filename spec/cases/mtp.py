@@ -1,6 +1,6 @@
-"""Input builders of the logits cast and the MTP / speculative-decoding ops (MATH.md, "Norms and
-embeddings" and "MTP draft layer and speculative decoding"), and thin adapters that give the spec
-functions whose signatures do not fit the harness (a NamedTuple or float result, a dict of records)
+"""Input builders of the logits cast and the MTP / speculative-decoding ops (docs/spec.md,
+"Norms and embeddings" and "MTP draft layer and speculative decoding"), and thin adapters that give
+the spec functions whose signatures do not fit the harness (a NamedTuple or float result, a dict of records)
 the calling convention of a cell: keyword tensors in, a dict of named tensors out.
 """
 

@@ -1,4 +1,4 @@
-"""Input builders of the norms (MATH.md "Norms and embeddings")."""
+"""Input builders of the norms (docs/spec.md, "Norms and embeddings")."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Input builders and op adapters of the PLE ops (MATH.md "PLE with hashed n-grams").
+"""Input builders and op adapters of the PLE ops (docs/spec.md, "PLE with hashed n-grams").
 
 The spec's n-gram functions take the checkpoint's hash constants as an ``NgramHashConfig``; the
 adapters here build it from tensors, the form a kernel receives them in: ``mult2`` int64 [8, 2] and
@@ -25,7 +25,7 @@ from spec.ops.ple import NgramHashConfig, is_prime, ple_embed, ple_ngram_hash
 
 ACT = torch.bfloat16
 _TARGET = ModelConfig.target()
-VOCAB = _TARGET.vocab_size  # 151936, Qwen3-Next's (spec/config.py; MATH.md leaves V open)
+VOCAB = _TARGET.vocab_size  # 151936, Qwen3-Next's (spec/config.py; docs/spec.md, "Geometry")
 PAD = _TARGET.pad_id        # 151643
 _U64 = (1 << 64) - 1
 

@@ -1,6 +1,6 @@
-"""Input builders of the QSA ops (MATH.md, "QSA: sparse attention with a block index") at the target
-geometry: 24 q heads over 2 KV heads, head_dim 256, 16 index heads of dim 128, 32-token blocks (= pages),
-top-k 64 blocks plus a window of 1 sink and 2 local blocks.
+"""Input builders of the QSA ops (docs/spec.md, "QSA: sparse attention with a block index") at the
+target geometry: 24 q heads over 2 KV heads, head_dim 256, 16 index heads of dim 128, 32-token blocks
+(= pages), top-k 64 blocks plus a window of 1 sink and 2 local blocks.
 
 Every builder starts from one *step layout*: which requests take part in the launch, how many tokens
 each held before it and holds after it, and the (shuffled) rows the step runs. The axes ``step``,
@@ -328,8 +328,8 @@ def _score_row(gen: torch.Generator, width: int, t: int, pattern: str) -> torch.
         keep[live] = True
         raw = torch.where(keep, raw.abs() + 0.01, zeros)
     elif pattern == "nan" and len(cands) > TOP_K:
-        # NaN counts as -inf (MATH.md): with fewer than k finite candidates the remaining slots go to
-        # NaN blocks, highest index first; a NaN never outranks a finite score.
+        # NaN counts as -inf (docs/spec.md, "QSA" item 4): with fewer than k finite candidates the
+        # remaining slots go to NaN blocks, highest index first; a NaN never outranks a finite score.
         finite = torch.tensor(cands)[torch.randperm(len(cands), generator=gen)[:live_few]]
         keep = torch.zeros(n_done, dtype=torch.bool)
         keep[finite] = True

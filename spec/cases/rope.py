@@ -1,4 +1,4 @@
-"""Input builders of QK norm + RoPE (MATH.md, "QK norm + RoPE") at the target geometry."""
+"""Input builders of QK norm + RoPE (docs/spec.md, "QK norm + RoPE") at the target geometry."""
 
 from __future__ import annotations
 

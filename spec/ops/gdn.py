@@ -1,4 +1,4 @@
-"""Gated-DeltaNet (GDN) layer ops, Qwen3-Next layout (MATH.md, "GDN layer").
+"""Gated-DeltaNet (GDN) layer ops, Qwen3-Next layout (docs/spec.md, "GDN layer").
 
 Public definitions followed: the gated delta rule of Yang, Kautz & Hatamizadeh, "Gated Delta Networks:
 Improving Mamba2 with Delta Rule" (ICLR 2025); its Qwen3-Next form (transformers'
@@ -10,7 +10,7 @@ Shapes (B requests, T rows a request, HK key heads, HV = 3 * HK value heads, K =
 q, k [B, T, HK, K]; v, z [B, T, HV, V]; a, b [B, T, HV]; state S [B, HV, K, V] (S[k, v], o = S^T q).
 Value head ``h`` reads key head ``h // (HV // HK)`` (grouped value attention).
 
-Rounding points (non-reference mode), decided here where MATH.md is silent:
+Rounding points (non-reference mode), decided here where docs/spec.md leaves them open:
 - gates, l2norm and the recurrence run in fp32 whatever the activation dtype;
 - a state stored in bf16 is rounded to bf16 after *every* row of a decode or verify step: each such
   row is one stored step, so a verify of T rows equals T decode steps bit for bit (the

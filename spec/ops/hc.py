@@ -1,4 +1,4 @@
-"""Hyper-connections, manifold-constrained form with n = 4 streams (MATH.md, "Hyper-connections").
+"""Hyper-connections, manifold-constrained form with n = 4 streams (docs/spec.md, "Hyper-connections").
 
 The residual stream of each token is widened to ``n`` streams X [n, C]. Every sublayer F (the mixer, then
 the MoE) sits in one HC site, whose coefficients are computed per token from the streams themselves:
@@ -14,13 +14,13 @@ pre / post / residual mixing weights computed from the input (dynamic hyper-conn
 manifold-constrained variant, "mHC: Manifold-Constrained Hyper-Connections" (DeepSeek-AI, 2025,
 arXiv:2512.24880), which projects the residual mixing matrix onto the doubly stochastic matrices (the
 Birkhoff polytope) with Sinkhorn-Knopp iterations (Sinkhorn & Knopp, 1967), so that stream mixing
-preserves the mean of the streams and cannot amplify them. MATH.md calls this site layout the
-project's own: MATH.md, not the papers, is the definition this module executes.
+preserves the mean of the streams and cannot amplify them. docs/spec.md calls this site layout the
+model's own: docs/spec.md, not the papers, is the definition this module executes.
 
 Shapes: tokens are batched in the leading dim. X [T, n, C]; v [T, n*C]; r [T]; Phi [n*C, 2n + n^2];
 bias [2n + n^2]; H_pre, H_post [T, n]; H_res [T, n, n]; y, x_in, m [T, C].
 
-Decisions where MATH.md is silent (pinned in tests/spec/test_hc.py):
+Decisions left to the spec by docs/spec.md (pinned in tests/spec/test_hc.py):
 - Streams are kept in the accumulation dtype (fp32; float64 in reference mode). ``hc_up_projection``
   returns X' and m unrounded: the residual streams are never stored in the activation dtype, so
   repeated updates do not accumulate bf16 rounding over 48 layers x 2 sites.
@@ -30,7 +30,7 @@ Decisions where MATH.md is silent (pinned in tests/spec/test_hc.py):
   (default bf16) once, at the end, because it is the sublayer's input. The sublayer output y arrives
   in whatever dtype the sublayer produced and is widened exactly.
 - eps of the inject norm is 1e-6, the model's rmsnorm eps.
-- The logit vector is split in MATH.md's listing order, ``l = [l_pre | l_post | l_res]``, and l_res
+- The logit vector is split in the listing order of docs/spec.md, ``l = [l_pre | l_post | l_res]``, and l_res
   is read row-major: ``l_res[i, j] = l[2n + i*n + j]`` (row i = the output stream of X').
 - ``exp(l_res)`` is evaluated as ``exp(l_res - max(l_res))`` (max over the n*n entries of the token).
   Sinkhorn's first column normalisation divides out any positive factor common to the whole matrix,

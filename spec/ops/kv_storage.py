@@ -1,4 +1,4 @@
-"""KV storage formats: fp8 (e4m3) and nvfp4 quantisers (MATH.md, "KV storage").
+"""KV storage formats: fp8 (e4m3) and nvfp4 quantisers (docs/spec.md, "KV storage").
 
 Ops defined here:
 - ``kv_fp8``   : ``fp8_quantize`` / ``fp8_dequantize`` (unit scales).
@@ -26,11 +26,12 @@ the op. What float64 mode changes is only the arithmetic *before* the rounding:
   different block scale or code only when a quotient lies within an fp32 rounding of an e4m3 / e2m1
   rounding boundary; the tolerance oracle absorbs that.
 
-Special values (MATH.md is silent; decided here, pinned by tests/spec/test_kv_storage.py):
+Special values (decided here, restated in docs/spec.md, "KV storage"; pinned by
+tests/spec/test_kv_storage.py):
 - Signed zero. fp8 keeps the sign: -0.0 (and any negative that rounds to zero) is 0x80. nvfp4 keeps
   it likewise inside a block with a nonzero scale: -0.0 and negatives that round to zero get code 0x8
   (decoding to -0.0). A block whose scale is 0 (all its elements are +-0 or underflow the scale) is
-  all code 0x0, the literal "sf == 0 gives code 0" of MATH.md, whatever the signs.
+  all code 0x0, the literal "a block with sf == 0 is all code 0" of docs/spec.md, whatever the signs.
 - Infinity: saturates. fp8 gives +-448 (clamp before the cast); in nvfp4 an infinite element makes the
   block scale saturate to 448 and the element's code +-6.
 - NaN: propagates, with one canonical pattern. fp8 maps any NaN to 0x7F (the sign of a NaN carries

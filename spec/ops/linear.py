@@ -1,5 +1,5 @@
-"""The dense projections of the model (MATH.md: every ``x @ W^T`` of the GDN and QSA mixers and the
-LM head): one op, ``linear``.
+"""The dense projections of the model (docs/spec.md, "Norms and embeddings": every ``x @ W^T`` of the
+GDN and QSA mixers and the LM head): one op, ``linear``.
 
 Op defined here:
 - ``linear``: ``linear``  y = x @ W^T, accumulated in the acc dtype, rounded once to x's dtype.

@@ -1,4 +1,4 @@
-"""Sparse mixture of experts with NVFP4 routed experts and a gated shared expert (MATH.md, "MoE").
+"""Sparse mixture of experts with NVFP4 routed experts and a gated shared expert (docs/spec.md, "MoE").
 
 Ops defined here:
 - ``moe_route``          : ``moe_route``          softmax router, top-k, renormalised weights.
@@ -14,9 +14,9 @@ sum 1 (``norm_topk_prob = True`` in Qwen3-Next's config), SwiGLU experts ``down(
 and a shared expert of the same form scaled by ``sigmoid(shared_expert_gate(x))`` and added to the
 routed sum. NVFP4 weights and activations: NVIDIA's NVFP4 format (spec.ops.kv_storage).
 
-Where this spec decides what MATH.md and the HF block leave open (pinned by tests/spec/test_moe.py):
+Where this spec decides what docs/spec.md and the HF block leave open (pinned by tests/spec/test_moe.py):
 - Router logits ``x @ W_r^T`` are accumulated in the acc dtype and *not* rounded to the activation dtype
-  before the softmax (MATH.md states no rounding point there; HF's bf16 ``nn.Linear`` would round them).
+  before the softmax (no rounding point there; HF's bf16 ``nn.Linear`` would round them).
 - Top-k tie rule: experts are ordered by (-p, expert index), i.e. equal probabilities go to the lower
   expert index, both for membership at the k-th place and for slot order. ``torch.topk`` (HF) leaves
   ties unspecified. A NaN probability ranks below every number; a NaN logit makes the whole softmax
@@ -219,7 +219,7 @@ def moe_route(x: torch.Tensor, w_router: torch.Tensor, top_k: int
 
 def nvfp4_linear(x: torch.Tensor, w_packed: torch.Tensor, w_sf: torch.Tensor, w_gs: torch.Tensor,
                  x_gs: torch.Tensor) -> torch.Tensor:
-    """``dequant(quant(x, x_gs)) @ dequant(W)^T``: an NVFP4 x NVFP4 GEMM, exactly as MATH.md states it.
+    """``dequant(quant(x, x_gs)) @ dequant(W)^T``: an NVFP4 x NVFP4 GEMM, as docs/spec.md states it.
 
     x: [T, in] any float dtype; w_packed uint8 [out, in // 2]; w_sf float8_e4m3fn [out, in // 16];
     w_gs, x_gs: one fp32 number each. x is quantized along ``in`` in blocks of 16 with the input global

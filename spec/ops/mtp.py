@@ -1,19 +1,19 @@
 """The LM-head logits cast, the MTP draft input, greedy verification and rollback / commit
-(MATH.md, "Norms and embeddings" (logits_cast) and "MTP draft layer and speculative decoding").
+(docs/spec.md, "Norms and embeddings" (logits_cast) and "MTP draft layer and speculative decoding").
 
 Public definitions followed:
 - Multi-token prediction: DeepSeek-AI, "DeepSeek-V3 Technical Report" (2024), section 2.2: the MTP
   module combines the RMSNorm'd previous hidden state and the RMSNorm'd embedding of the next token with
   a linear projection of their concatenation, then one transformer block, sharing the embedding and the
-  output head with the trunk. The order of the concatenation here is MATH.md's (embedding first, as in
-  Qwen3-Next's MTP layer); the projection ``fc`` has no bias.
+  output head with the trunk. The order of the concatenation here is that of docs/spec.md (embedding
+  first, as in Qwen3-Next's MTP layer); the projection ``fc`` has no bias.
 - Speculative decoding with greedy verification: Leviathan, Kalman & Matias, "Fast Inference from
   Transformers via Speculative Decoding" (ICML 2023); Chen et al., "Accelerating Large Language Model
   Decoding with Speculative Sampling" (2023). At temperature 0 their acceptance rule reduces to: accept
   a draft token while it equals the target's argmax, and emit the target's argmax at the first mismatch
   (or after the last draft, the bonus token).
 
-Decisions where MATH.md is silent (pinned in tests/spec/test_mtp.py):
+Decisions left to the spec by docs/spec.md (pinned in tests/spec/test_mtp.py):
 - argmax: ties go to the lowest vocabulary index; NaN counts as -inf; -0.0 == +0.0. A row that is all
   NaN / -inf predicts token 0.
 - ``logits_cast`` accepts the bf16 LM-head output (widened bit by bit), an fp32 LM-head accumulator
@@ -46,7 +46,7 @@ def logits_cast(logits: torch.Tensor) -> torch.Tensor:
     """The LM-head output in bf16 widened to fp32, element by element, bitwise (exact).
 
     logits [..., V]: bf16 (the LM-head output), fp32 (an LM-head accumulator: rounded to bf16 first,
-    MATH.md's rounding point) or float64 (reference mode: returned unchanged). Returns fp32 (float64
+    the rounding point of docs/spec.md) or float64 (reference mode: returned unchanged). Returns fp32 (float64
     in reference mode).
 
     The widening is written on the bits: a bf16 value is the top 16 bits of the fp32 with the same

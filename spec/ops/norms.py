@@ -1,4 +1,4 @@
-"""RMSNorm in its two forms used by the target (MATH.md, "Norms and embeddings").
+"""RMSNorm in its two forms used by the target (docs/spec.md, "Norms and embeddings").
 
 Public definition: RMSNorm (Zhang & Sennrich, 2019), with the zero-centred weight ``(1 + w)`` of
 Qwen3-Next (weights initialised to 0) for ``rmsnorm``, and the plain-weight gated form of the

@@ -1,4 +1,4 @@
-"""Per-layer embeddings (PLE) with hashed n-grams (MATH.md, "PLE with hashed n-grams").
+"""Per-layer embeddings (PLE) with hashed n-grams (docs/spec.md, "PLE with hashed n-grams").
 
 Each token gets a small embedding e_l [P] for every layer l, built from three sources:
 - a per-layer table E [V, L*P], looked up by token id and scaled by sqrt(P);
@@ -11,11 +11,11 @@ Combined: ``e = (sqrt(P) E[id] + ngram + context) / sqrt(2)``, viewed [L, P]. La
 Public definitions followed: the table, context path, 1/sqrt(2) combine and the per-layer gate
 follow the per-layer embeddings of Gemma 3n (transformers ``Gemma3nTextModel.get_per_layer_inputs`` /
 ``project_per_layer_inputs`` and the per-layer gate of ``Gemma3nTextDecoderLayer``), with the model's
-zero-centred rmsnorm (spec.ops.norms). The hashed n-gram path is this project's; MATH.md and this module
-define it (multiplicative hashing of each id by an odd 64-bit constant, the products mixed by XOR, the
+zero-centred rmsnorm (spec.ops.norms). The hashed n-gram path is this project's; docs/spec.md and this
+module define it (multiplicative hashing of each id by an odd 64-bit constant, the products mixed by XOR, the
 row taken modulo a per-head prime).
 
-Decisions where MATH.md is silent (pinned in tests/spec/test_ple.py):
+Decisions left to the spec by docs/spec.md (pinned in tests/spec/test_ple.py):
 - The context rmsnorm is over P, per layer, with one weight [P] shared by all layers (Gemma 3n's
   per-layer projection norm): the projection is viewed [L, P] first, then normalised.
 - The n-gram rows are added *after* the sqrt(P) scale of the table: ``sqrt(P) E[id] + ngram``.
@@ -28,8 +28,8 @@ Decisions where MATH.md is silent (pinned in tests/spec/test_ple.py):
   widened exactly; one rounding point per op, at its output: ``ple_embed`` casts e to the activation
   dtype, ``ple_apply`` rounds the added term to the activation dtype (the value a layer adds) and
   returns the sum in x's dtype.
-- Weight layouts: ``x_emb @ W_ple`` with W_ple [C, L*P] as MATH.md writes it; W_gate [P, C] and
-  W_out [C, P] act on the left (``W x``), as MATH.md writes them (torch Linear layout). No biases.
+- Weight layouts: ``x_emb @ W_ple`` with W_ple [C, L*P] as docs/spec.md writes it; W_gate [P, C] and
+  W_out [C, P] act on the left (``W x``), as docs/spec.md writes them (torch Linear layout). No biases.
 
 The 64-bit arithmetic. The hash is defined on unsigned 64-bit integers: products wrap modulo 2^64 and
 the row is the *unsigned* value mod p. Torch has no uint64 arithmetic, and its int64 multiply overflows

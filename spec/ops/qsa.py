@@ -1,7 +1,7 @@
-"""QSA: sparse attention with a block index (MATH.md, "QSA: sparse attention with a block index").
+"""QSA: sparse attention with a block index (docs/spec.md, "QSA: sparse attention with a block index").
 
-QSA is this project's own op; MATH.md is its definition and this module is its executable form. The
-pipeline of one QSA layer, one function per MATH.md item:
+QSA is this project's own op; docs/spec.md is its definition and this module is its executable form.
+The pipeline of one QSA layer, one function per item of docs/spec.md, "QSA":
 
 1. ``qsa_kv_append``      k (after QK norm + RoPE) and v of new tokens -> paged KV cache, position plane
 2. ``qsa_index_store``    index keys kI -> index plane; full blocks -> block key ``kbar`` (block-key plane)
@@ -11,8 +11,8 @@ pipeline of one QSA layer, one function per MATH.md item:
    ``qsa_topk_expand``    items 4 and 5 composed (the fused fast paths' definition)
 6. ``qsa_sparse_gqa``     gated grouped-query attention over the selected tokens
 
-``dense_causal_gqa`` is the dense causal attention MATH.md names as the oracle of item 6 when every
-block is selected.
+``dense_causal_gqa`` is the dense causal attention docs/spec.md names as the oracle of item 6 when
+every block is selected.
 
 Layout (block == page: ``TOKENS_PER_BLOCK = 32`` tokens a page; P pages in the pool, B sequences)
 -------------------------------------------------------------------------------------------------
@@ -167,7 +167,8 @@ def qsa_kv_append(k_cache: torch.Tensor | Pools, v_cache: torch.Tensor | Pools,
                   positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   store: Store | None = None, store_v: Store | None = None,
                   ) -> tuple[torch.Tensor | Pools, torch.Tensor | Pools, torch.Tensor]:
-    """Write k and v of N new tokens into their slots; record their positions (MATH.md QSA item 1).
+    """Write k and v of N new tokens into their slots; record their positions (docs/spec.md, "QSA"
+    item 1).
 
     k, v: [N, n_kv_heads, head_dim] (k after QK norm + RoPE); seq_ids, positions: integer [N].
     ``store`` maps k rows to the K pools' slot values (default: cast to the single pool's dtype);
@@ -234,7 +235,7 @@ def qsa_index_store(index_plane: torch.Tensor, block_keys: torch.Tensor,
     keys *as stored*, fp32 sum / 32, cast to ``block_keys``' dtype) and ``block_key_valid[page] = True``.
     Every other page written in this call becomes invalid: it now holds a partial block.
 
-    Precondition (MATH.md "when a block's 32nd token arrives"): each sequence's tokens are stored in
+    Precondition (docs/spec.md, "QSA" item 2): each sequence's tokens are stored in
     position order without gaps, so a page whose slot 31 is written holds 32 tokens after the call.
     Returns new (index_plane, block_keys, block_key_valid): copies of the inputs with the writes of
     ``qsa_index_store_into`` applied.
@@ -284,13 +285,13 @@ def num_complete_blocks(t: int) -> int:
 def qsa_index_scores(q_index: torch.Tensor, w_index: torch.Tensor, seq_ids: torch.Tensor,
                      positions: torch.Tensor, block_table: torch.Tensor, block_keys: torch.Tensor,
                      block_key_valid: torch.Tensor) -> torch.Tensor:
-    """Block scores ``s[t, b] = sum_h wI[t,h] * relu(qI[t,h] . kbar_b)`` (MATH.md QSA item 3).
+    """Block scores ``s[t, b] = sum_h wI[t,h] * relu(qI[t,h] . kbar_b)`` (docs/spec.md, "QSA" item 3).
 
     q_index: [N, n_index_heads, index_dim]; w_index: [N, n_index_heads]; seq_ids, positions: integer
     [N] (the query row's sequence and absolute position t). Columns are the logical blocks of the row's
     sequence, ``block_table.shape[1]`` of them. Complete blocks (``32(b+1) - 1 <= t``) get their score;
     every other column is -inf. Computed in acc dtype (fp32 / float64) and returned in it, unrounded:
-    MATH.md names no rounding point, and selection compares these values exactly.
+    docs/spec.md names no rounding point, and selection compares these values exactly.
     Errors: a complete block whose block key is absent (scores asked before the index store), and a
     position whose complete blocks do not fit the block table.
     """
@@ -347,7 +348,7 @@ def window_blocks(t: int, sink_blocks: int = SINK_BLOCKS, local_blocks: int = LO
 
 def select_row(scores: torch.Tensor, t: int, k: int = TOP_K, sink_blocks: int = SINK_BLOCKS,
                local_blocks: int = LOCAL_BLOCKS) -> list[int]:
-    """The selected block ids of one query row at position t, ascending (MATH.md QSA item 4).
+    """The selected block ids of one query row at position t, ascending (docs/spec.md, "QSA" item 4).
 
     scores: [n_cols] (one row of ``qsa_index_scores``). Candidates are the complete blocks
     (``32(b+1) - 1 <= t``) outside the window. With at most k candidates, all are selected. Otherwise
@@ -408,7 +409,7 @@ def qsa_select(scores: torch.Tensor, positions: torch.Tensor, k: int = TOP_K,
 
 def qsa_expand(selected: torch.Tensor, positions: torch.Tensor,
                context_lens: torch.Tensor | None = None) -> torch.Tensor:
-    """Selected blocks -> the token positions they cover (MATH.md QSA item 5).
+    """Selected blocks -> the token positions they cover (docs/spec.md, "QSA" item 5).
 
     selected: int [N, W] block ids (-1 = padding, any order); positions: integer [N] (t);
     context_lens: integer [N], the sequence's token count (default t + 1). Block b gives tokens
@@ -435,7 +436,7 @@ def qsa_topk_expand(scores: torch.Tensor, positions: torch.Tensor,
                     context_lens: torch.Tensor | None = None, k: int = TOP_K,
                     sink_blocks: int = SINK_BLOCKS, local_blocks: int = LOCAL_BLOCKS,
                     ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``qsa_select`` followed by ``qsa_expand`` (MATH.md QSA items 4 and 5), by definition.
+    """``qsa_select`` followed by ``qsa_expand`` (docs/spec.md, "QSA" items 4 and 5), by definition.
 
     scores: [N, n_cols]; positions: integer [N]; context_lens: integer [N] or None (t + 1).
     Returns (selected int64 [N, k + sink + local], tokens int64 [N, 32 * (k + sink + local)]). Both
@@ -481,7 +482,7 @@ def qsa_sparse_gqa(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, se
                    block_table: torch.Tensor, k_cache: torch.Tensor | Pools,
                    v_cache: torch.Tensor | Pools, load: Load | None = None,
                    load_v: Load | None = None, scale: float | None = None) -> torch.Tensor:
-    """Gated sparse GQA over each row's selected tokens (MATH.md QSA item 6), before out_proj.
+    """Gated sparse GQA over each row's selected tokens (docs/spec.md, "QSA" item 6), before out_proj.
 
     q, gate: [N, n_q_heads, head_dim] activation dtype (bf16 in the model); tokens: int [N, W] token
     positions per row (``qsa_expand`` output, -1 = padding); seq_ids: integer [N].
@@ -492,7 +493,7 @@ def qsa_sparse_gqa(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, se
     ``o = sum_j p_j v_j``; ``o *= sigmoid(gate)``. Returns [N, n_q_heads, head_dim] in q's dtype
     (float64 in reference mode).
 
-    Decisions where MATH.md is silent (pinned in tests/spec/test_qsa.py):
+    Decisions left to the spec by docs/spec.md (pinned in tests/spec/test_qsa.py):
     - The softmax is exact in acc dtype: max-subtracted exp, normalised, with p kept in acc dtype (no
       bf16 rounding of p before the PV product; a kernel that rounds p is certified by tolerance).
     - Rounding points: o is cast to the activation dtype (the attention output), then the gate product
@@ -516,7 +517,7 @@ def qsa_sparse_gqa(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, se
         row_tokens = tokens[row][tokens[row] >= 0]
         seq = torch.full_like(row_tokens, int(seq_ids[row]))
         pages, offsets = slot_of(block_table, seq, row_tokens)
-        # Dequantise to the activation dtype first (MATH.md; float64 in reference mode), then
+        # Dequantise to the activation dtype first (docs/spec.md; float64 in reference mode), then
         # compute in acc.
         keys = _load_rows(k_pools, pages, offsets, load_dtype, load)
         values = _load_rows(v_pools, pages, offsets, load_dtype, load_v)
@@ -528,7 +529,7 @@ def qsa_sparse_gqa(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, se
 def dense_causal_gqa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gate: torch.Tensor,
                      scale: float | None = None) -> torch.Tensor:
     """Dense causal gated GQA over one contiguous sequence: the oracle of ``qsa_sparse_gqa`` when every
-    block is selected (MATH.md QSA item 6).
+    block is selected (docs/spec.md, "QSA" item 6).
 
     q, gate: [T, n_q_heads, D]; k, v: [T, n_kv_heads, D]; token i sits at position i and attends to
     positions 0..i. Same dtype policy and rounding points as ``qsa_sparse_gqa``, but written as one

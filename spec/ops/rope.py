@@ -1,4 +1,4 @@
-"""QK norm + RoPE of the QSA layers (MATH.md, "QK norm + RoPE").
+"""QK norm + RoPE of the QSA layers (docs/spec.md, "QK norm + RoPE").
 
 Per token and per q or k head: ``h = rmsnorm(x, w)`` over head_dim with that head kind's weight, then a
 rotary position embedding on the first ``rotary_dim`` dims; the remaining dims pass through.
@@ -9,14 +9,14 @@ Public definitions followed:
   ``inv_freq_j = theta^(-2j/rotary_dim)`` for j in [0, rotary_dim/2).
 - mRoPE: the multimodal RoPE of Qwen2-VL (three position rows t/h/w), in the interleaved form of
   Qwen3-VL: frequency j reads the h row when ``j % 3 == 1 and j < 3*sections[1]``, the w row when
-  ``j % 3 == 2 and j < 3*sections[2]``, else the t row. With MATH.md's sections (11, 11, 10) and 32
-  frequencies this is exactly MATH.md's rule (its ``j < 3*11`` bound for w differs from ``j < 3*10``
-  only at j = 32, which does not exist).
+  ``j % 3 == 2 and j < 3*sections[2]``, else the t row. With the sections (11, 11, 10) and 32
+  frequencies of docs/spec.md this is its rule written out (a ``j < 3*11`` bound for w would differ
+  from ``j < 3*10`` only at j = 32, which does not exist).
 - RMSNorm: spec.ops.norms.rmsnorm (Zhang & Sennrich 2019, zero-centred weight as in Qwen3-Next).
 
-V is not an input: MATH.md's "V heads are untouched" holds by construction.
+V is not an input: "V heads are not touched" (docs/spec.md) holds by construction.
 
-Rounding points (MATH.md is not explicit; decided here, pinned in tests/spec/test_rope.py):
+Rounding points (decided here, restated in docs/spec.md; pinned in tests/spec/test_rope.py):
 1. The norm output is cast to the activation dtype (rmsnorm's own single cast at its end).
 2. The rotation is computed in the accumulation dtype (fp32, or float64 in reference mode) from that
    rounded norm output, and the result is cast to the activation dtype once, at the end. Pass-through

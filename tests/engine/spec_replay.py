@@ -6,7 +6,7 @@ the same passes through the reference forward on its own cache, one sequence per
 
 - trunk pass: ``forward`` over the same tokens at the same positions (``verify=True`` for a verify
   step); the reference cache is snapshotted before a verify step;
-- commit: MATH.md's cached-replay oracle: the snapshot is restored and each request's first
+- commit: the cached-replay oracle of docs/spec.md: the snapshot is restored and each request's first
   ``num_accepted`` verify rows are run again alone (``verify=True``); those logits must equal the
   verify step's rows and leave the state the engine committed;
 - draft pass: ``mtp_draft`` with the engine's h_prev rows, after rolling the draft cache back to the

@@ -1,5 +1,5 @@
-"""Rollback replay (MATH.md, "Rollback / commit"): committing acceptance a after a verify of K+1 rows
-leaves, bit for bit, the state a verify of the first a+1 rows alone leaves, with the same kernels.
+"""Rollback replay (docs/spec.md, "Rollback / commit"): committing acceptance a after a verify of K+1
+rows leaves, bit for bit, the state a verify of the first a+1 rows alone leaves, with the same kernels.
 
 Two engines read the same prompts (same scheduling, so the same state) until every request waits
 for verification. Engine A verifies K+1 rows a request and commits a+1 of them; engine B verifies

@@ -1,5 +1,6 @@
-"""The end-to-end oracle of speculative decoding (MATH.md): greedy speculative decoding emits exactly
-the non-speculative greedy tokens whenever the implementation is batch-invariant.
+"""The end-to-end oracle of speculative decoding (docs/spec.md, "Speculative oracle"): greedy
+speculative decoding emits exactly the non-speculative greedy tokens whenever the implementation is
+batch-invariant.
 
 The draft layer of a random-weight model almost never guesses right, which would leave only the
 all-rejected path. So the drafts are replaced (``Engine.propose_hook``) by the true greedy

@@ -59,7 +59,7 @@ shapes = st.tuples(st.integers(1, 3), st.integers(1, 5), st.sampled_from([1, 2])
 @settings(max_examples=10)
 @given(seed=st.integers(0, 2 ** 31), shape=shapes, data=st.data())
 def test_verify_then_commit_equals_verify_of_the_accepted_rows(seed, shape, data):
-    """The rollback oracle of MATH.md for both variants: the state recorded after row a of a T-row
+    """The rollback oracle of docs/spec.md for both variants: the state recorded after row a of a T-row
     verify equals, bit for bit, the last state of the same kernel run on the first a + 1 rows; and the
     variants stay within the cell band of the float64 spec."""
     B, T, HK, D, sd = shape
@@ -143,7 +143,7 @@ def test_guard_decode_writes_its_slot_by_hand(fn):
 @pytest.mark.certify_property("gdn_prefill")
 @given(seed=st.integers(0, 2 ** 31), T=st.integers(1, 150), HK=st.sampled_from([1, 2]))
 def test_chunked_equals_recurrent_and_the_variants_follow(seed, T, HK):
-    """MATH.md: the chunked form (chunk 64) is the same function as the recurrent one."""
+    """docs/spec.md, "GDN layer": the chunked form (chunk 64) is the same function as the recurrent one."""
     inp = _step_inputs(seed, 1, T, HK, 8, torch.float32)
     inp.pop("slots")
     state = inp.pop("state_pool")[:1]

@@ -74,9 +74,9 @@ def test_split_state_columns_equal_the_fused_norm_path():
 
 @pytest.mark.premerge
 def test_chunked_equals_recurrent_and_the_state_carries_across_calls():
-    """MATH.md: the chunked form is the recurrent one; and a prefill of 70 + 60 rows (the second
-    from the first's final state) equals one prefill of 130 rows (chunk boundaries differ, so within
-    the bands, not bitwise)."""
+    """docs/spec.md, "GDN layer": the chunked form is the recurrent one; and a prefill of 70 + 60 rows
+    (the second from the first's final state) equals one prefill of 130 rows (chunk boundaries differ,
+    so within the bands, not bitwise)."""
     inp = _inputs(11, 1, 130)
     out, final = _run(triton_chunked.gdn_prefill_chunked, inp)
     r_out, r_final = _run(torch_ops.gdn_prefill_recurrent, inp)

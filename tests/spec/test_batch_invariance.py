@@ -1,5 +1,6 @@
-"""The spec path is batch-invariant by construction (MATH.md): a row's result does not depend on how
-many rows share the launch. Pinned here for the ops whose projections span the launch's rows."""
+"""The spec path is batch-invariant by construction (docs/spec.md, "Batch invariance"): a row's result
+does not depend on how many rows share the launch. Pinned here for the ops whose projections span the
+launch's rows."""
 
 import torch
 from hypothesis import given

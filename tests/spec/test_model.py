@@ -288,7 +288,7 @@ def test_cache_limits_are_checked(w32: Weights) -> None:
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.bfloat16])
 def test_verify_rows_equal_decode_steps_bitwise(state_dtype: torch.dtype) -> None:
-    """MATH.md's speculative oracle at model level: a verify step of K+1 rows computes, bit for bit,
+    """The speculative oracle of docs/spec.md at model level: a verify step of K+1 rows computes, bit for bit,
     what K+1 decode steps compute (logits, GDN state, conv window), in the deployment dtype (bf16)."""
     w = init_weights(TINY, seed=0, dtype=torch.bfloat16)
     toks = _tokens(7, 2, 26)

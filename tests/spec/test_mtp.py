@@ -314,7 +314,7 @@ def test_rollback_commit_property(seed: int, R: int, k_max: int) -> None:
         # rollback_commit(a + 1 accepted) picks entry a ...
         for name in records:
             assert torch.equal(committed[name][r], records[name][r, a])
-        # ... which equals, bit for bit, running only the first a + 1 rows (MATH.md's oracle).
+        # ... which equals, bit for bit, running only the first a + 1 rows (docs/spec.md's oracle).
         replay = starts[r]
         for tok in rows_run[r][:a + 1]:
             replay = _toy_row(replay, tok, seed)

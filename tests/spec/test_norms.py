@@ -1,4 +1,4 @@
-"""rmsnorm: the zero-centred (1 + w) RMSNorm of MATH.md."""
+"""rmsnorm: the zero-centred (1 + w) RMSNorm of docs/spec.md, "Norms and embeddings"."""
 
 import math
 

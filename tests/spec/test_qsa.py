@@ -1,5 +1,5 @@
-"""Property tests and guards of the QSA spec (spec/ops/qsa.py; MATH.md, "QSA: sparse attention with a
-block index").
+"""Property tests and guards of the QSA spec (spec/ops/qsa.py; docs/spec.md, "QSA: sparse attention
+with a block index").
 
 Every random input is seeded from a hypothesis-drawn integer; floating inputs are shifted away from 0.
 """
@@ -314,7 +314,7 @@ def test_qsa_index_store_partial_write_invalidates() -> None:
 
 def _scores_oracle(qi: torch.Tensor, wi: torch.Tensor, t: int, kbars: list[torch.Tensor],
                    n_cols: int) -> list[float]:
-    """MATH.md item 3 written element by element in Python floats."""
+    """docs/spec.md, "QSA" item 3 written element by element in Python floats."""
     row = []
     for b in range(n_cols):
         if TPB * (b + 1) - 1 <= t:
@@ -331,8 +331,9 @@ def _scores_oracle(qi: torch.Tensor, wi: torch.Tensor, t: int, kbars: list[torch
 @pytest.mark.certify_property("qsa_index_scores")
 @given(batch_params, st.integers(1, 3), st.integers(0, 2**31 - 1))
 def test_qsa_index_scores_properties(params: dict, n_heads: int, seed: int) -> None:
-    """Scores equal MATH.md's formula (float64); columns of incomplete or future blocks are exactly
-    -inf; each row depends only on itself (row order and batch composition invariance)."""
+    """Scores equal the formula of docs/spec.md, "QSA" item 3 (float64); columns of incomplete or
+    future blocks are exactly -inf; each row depends only on itself (row order and batch composition
+    invariance)."""
     batch = Batch(dtype=torch.float64, **params)
     *_, ip, bk, bv = batch.store_all()
     gen = torch.Generator().manual_seed(seed)
@@ -387,8 +388,8 @@ def test_qsa_index_scores_missing_key_is_an_error() -> None:
 # ---------------------------------------------------------------------------------------------------
 
 def _select_oracle(scores: list[float], t: int, k: int, sink: int, local: int) -> list[int]:
-    """An independent statement of MATH.md item 4: the window, plus the k candidates largest in the
-    order (score with NaN as -inf, block index), both descending."""
+    """An independent statement of docs/spec.md, "QSA" item 4: the window, plus the k candidates largest
+    in the order (score with NaN as -inf, block index), both descending."""
     window = set(window_blocks(t, sink, local))
     cands = [b for b in range((t + 1) // TPB) if b not in window]
     key = {b: (-INF if math.isnan(scores[b]) else scores[b], b) for b in cands}

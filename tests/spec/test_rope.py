@@ -79,7 +79,7 @@ def test_qk_norm_rope_properties(case: dict) -> None:
     torch.testing.assert_close(dots_s, dots, rtol=1e-9, atol=1e-9)
 
     # mRoPE with t = h = w rows is plain RoPE, bit for bit (same angles, same arithmetic). Sections
-    # are MATH.md's (11, 11, 10) at rotary_dim 64, else a split of the same shape.
+    # are those of docs/spec.md (11, 11, 10) at rotary_dim 64, else a split of the same shape.
     sections = MROPE_SECTIONS if r == 64 else (half - 2 * (half // 3), half // 3, half // 3)
     q_m, k_m = qk_norm_rope(q, k, w_q, w_k, pos.expand(3, -1), sections=sections, **kw)
     assert torch.equal(q_m, q_out) and torch.equal(k_m, k_out)
@@ -118,7 +118,8 @@ def test_inv_freq_literal() -> None:
 
 
 def test_mrope_row_map_is_mathmd_rule() -> None:
-    """The default map (rotary_dim 64, sections 11/11/10) is MATH.md's rule written out."""
+    """The default map (rotary_dim 64, sections 11/11/10) is the rule of docs/spec.md, "QK norm + RoPE"
+    written out."""
     t_, h_, w_ = 0, 1, 2
     expected = [t_, h_, w_] * 10 + [t_, h_]  # j = 30 -> t, j = 31 -> h (31 % 3 == 1, 31 < 33)
     assert mrope_freq_rows().tolist() == expected

@@ -1,5 +1,5 @@
-"""The first projection of a hyper-connection site as one fp32 GEMM (spec/ops/hc.py, MATH.md
-"Hyper-connections").
+"""The first projection of a hyper-connection site as one fp32 GEMM (spec/ops/hc.py;
+docs/spec.md, "Hyper-connections" step 2).
 
 ``hc_first_projection(v, r, phi, bias, *, h_pre, h_post, h_res)`` computes the site's logits
 ``l = (v * r) @ Phi + bias`` for all tokens of the launch in one batched fp32 matmul, where the spec

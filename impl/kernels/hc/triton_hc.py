@@ -1,5 +1,5 @@
-"""Triton kernels of a hyper-connection site's stream steps (spec/ops/hc.py, MATH.md
-"Hyper-connections"): the inject + norm, the pre-mix and the up projection with its stream mean.
+"""Triton kernels of a hyper-connection site's stream steps (spec/ops/hc.py;
+docs/spec.md, "Hyper-connections"): the inject + norm, the pre-mix and the up projection with its stream mean.
 
 - ``hc_inject_norm``: one program per token reads the n*C fp32 stream values once, writes v (a copy)
   and r = 1 / sqrt(mean(v^2) + eps). The mean square is a 4096-lane fp32 accumulator (three values a

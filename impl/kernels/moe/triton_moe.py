@@ -1,6 +1,6 @@
 """The MoE block on Hopper: routed NVFP4 experts as two grouped GEMMs that dequantize in the kernel.
 
-Hopper has no FP4 tensor cores, so the GEMMs run on bf16 operands (MATH.md, "MoE"). An NVFP4 value is
+Hopper has no FP4 tensor cores, so the GEMMs run on bf16 operands (docs/spec.md, "MoE"). An NVFP4 value is
 ``code * sf * gs``; ``code * sf`` (an e2m1 value times an e4m3 block scale) has at most 6 significant bits
 and lies in [2^-10, 2688], so it is exact in bf16. Both operands of a routed GEMM are fed to the tensor
 cores as exact ``code * sf`` bf16 values, the products are exact in fp32 and accumulate in fp32, and the

@@ -1,5 +1,5 @@
-"""The MTP draft layer's input with one batched fp32 GEMM (spec/ops/mtp.py, MATH.md "MTP draft layer
-and speculative decoding").
+"""The MTP draft layer's input with one batched fp32 GEMM (spec/ops/mtp.py; docs/spec.md, "Draft
+input").
 
 ``mtp_draft_input(next_token, h_prev, embed, norm_emb_w, norm_h_w, fc_w, *, h_draft)`` writes
 ``h' = fc(cat[rmsnorm(embed(next_token)), rmsnorm(h_prev)])``. The fc product is one [T, 2C] @ [2C, C]

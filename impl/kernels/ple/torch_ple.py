@@ -1,4 +1,4 @@
-"""The PLE ops with batched fp32 GEMMs (spec/ops/ple.py, MATH.md "PLE with hashed n-grams").
+"""The PLE ops with batched fp32 GEMMs (spec/ops/ple.py, docs/spec.md, "PLE with hashed n-grams").
 
 - ``ple_embed(ids, history, x_emb, table, ngram_table, w_ple, norm_w, mult2, mult3, primes, *, e)``:
   the context projection ``x_emb @ W_ple`` is one [T, C] @ [C, L*P] fp32 matmul over the step's rows,

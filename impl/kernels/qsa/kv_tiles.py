@@ -1,6 +1,6 @@
 """Reading K/V tiles of the paged QSA cache in Triton: bf16, fp8 (e4m3) and nvfp4 pools.
 
-Formats (spec/ops/kv_storage.py, MATH.md "KV storage"):
+Formats (spec/ops/kv_storage.py; docs/spec.md, "KV storage"):
 - bf16: one pool [P, 32, n_kv, D] bf16, read as is (``load_kv_tile_bf16``), for bf16 dots.
 - fp8: one pool [P, 32, n_kv, D] e4m3, passed as its uint8 bytes.
 - nvfp4: pools (uint8 codes [P, 32, n_kv, D/2], even element in the low nibble; e4m3 scales

@@ -1,6 +1,6 @@
 """The canonical order of QSA selection as integers, shared by the torch and Triton paths.
 
-MATH.md item 4 ranks candidates by (score, block index), both descending, with NaN as -inf and
+docs/spec.md, "QSA" item 4 ranks candidates by (score, block index), both descending, with NaN as -inf and
 -0.0 == +0.0. Mapping each fp32 score to a signed 32-bit key that orders like the float makes that rank
 an integer comparison: no float compare in a kernel can then differ from another (NaN, signed zeros),
 and appending the block index makes every candidate's key distinct, so "the k largest keys" is one set

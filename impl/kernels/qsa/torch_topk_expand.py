@@ -4,10 +4,10 @@ composition: the CPU path, and on the GPU the path for score tables wider than t
 
 Selection ranks candidates by one int64 key, ``score key * 2^32 + block index``
 (``topk_keys.score_keys``): distinct per candidate, larger for a higher index among equal scores, so
-the k largest keys are exactly MATH.md's set (ties to the highest block index) whichever order
-``torch.topk`` finds them in. Expansion uses that selected ids come out ascending: every selected block
-but the one holding the cut is whole, so slot s of the row covers tokens ``32 * id_s + j`` and a token
-at or past the cut is -1 (no scatter, no prefix sum).
+the k largest keys are exactly the set of docs/spec.md, "QSA" item 4 (ties to the highest block index)
+whichever order ``torch.topk`` finds them in. Expansion uses that selected ids come out ascending:
+every selected block but the one holding the cut is whole, so slot s of the row covers tokens
+``32 * id_s + j`` and a token at or past the cut is -1 (no scatter, no prefix sum).
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Triton QSA KV append (spec/ops/qsa.py:qsa_kv_append, MATH.md QSA item 1) in bf16, fp8 and nvfp4.
+"""Triton QSA KV append (spec/ops/qsa.py:qsa_kv_append; docs/spec.md, "QSA" item 1) in bf16, fp8 and
+nvfp4.
 
 One program per (tile of ``BLOCK_T`` new tokens, KV head) writes K and V of its tokens into their paged
 slots: page = ``block_table[seq, pos // 32]``, offset = ``pos % 32``, read in the kernel so the host

@@ -1,4 +1,5 @@
-"""Triton QSA index store + block compression and index scores (spec/ops/qsa.py, MATH.md QSA items 2, 3).
+"""Triton QSA index store + block compression and index scores (spec/ops/qsa.py; docs/spec.md, "QSA"
+items 2, 3).
 
 ``index_store`` runs two launches, stream-ordered so no program ever reads a slot another program of
 the same launch writes:
