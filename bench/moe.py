@@ -4,9 +4,10 @@ against the spec's own bf16 path and the bytes floor.
 Run on the GPU machine from the repository root:
     python3 bench/moe.py [--out DIR]
 It writes ``moe.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
-``--profile`` writes ``moe_profile.txt`` instead: per row count, the median time of each stage alone,
-a sweep of the GEMMs' launch configs, the block replayed from a CUDA graph and torch.profiler's
-kernel table of three calls.
+``--profile`` writes ``moe_profile.txt`` instead: per row count, each stage alone, a sweep of the
+GEMMs' launch configs (gate|up's K parts included), all as medians of CUDA-graph replays (the GPU's
+time, without the host's launches), the block launched eagerly and torch.profiler's kernel table of
+three calls. ``--rows`` picks the row counts.
 Weights are drawn on the GPU (N(0, 1/fan_in) quantized to nvfp4 by the spec's quantizer, one global
 scale per matrix), so the 1.2 GB table takes seconds. Rows: decode at 1, 32 and 128 requests and an
 8192-row prompt chunk. The floor is the bytes the step must move: the nvfp4 codes and block scales
@@ -75,7 +76,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="reports/bench")
     ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--rows", default=",".join(str(t) for _, t in ROWS),
+                    help="comma-separated row counts to run, of " + ", ".join(str(t) for _, t in ROWS))
     args = ap.parse_args()
+    wanted = {int(t) for t in args.rows.split(",")}
+    rows = [(label, t) for label, t in ROWS if t in wanted]
     gen = torch.Generator(device="cuda").manual_seed(0)
     t0 = dt.datetime.now()
     router, experts, shared = _weights(gen)
@@ -94,9 +99,9 @@ def main() -> None:
              "| triton vs spec | max err vs float64 (ulp of row max) |",
              "|---|---|---|---|---|---|---|---|---|"]
     if args.profile:
-        _profile(router, experts, shared, kw, gen, Path(args.out))
+        _profile(router, experts, shared, kw, gen, Path(args.out), rows)
         return
-    for label, T in ROWS:
+    for label, T in rows:
         x = (torch.randn(T, C, device="cuda", generator=gen)).bfloat16()
         ids, _ = triton_moe.route(x, router, K)
         nbytes = _floor_bytes(ids, T)
@@ -125,23 +130,37 @@ def main() -> None:
     (out_dir / "moe.md").write_text("\n".join(lines) + "\n")
 
 
-SWEEP = {"BN": (32, 64, 128), "BK": (64, 128, 256), "num_stages": (2, 4)}
+SWEEP = {"BN": (32, 64), "BK": (64, 128, 256), "num_stages": (2, 4), "SPLIT": (1, 4, 8, 12)}
 
 
-def _profile(router, experts, shared, kw, gen, out_dir: Path) -> None:
+def _graph_us(fn) -> float:
+    """Median us of ``fn`` replayed from a CUDA graph (the GPU's time, no launch cost)."""
+    import triton.testing
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, rep=50, return_mode="median") * 1e3
+
+
+def _profile(router, experts, shared, kw, gen, out_dir: Path, rows) -> None:
     """Per row count: each stage alone, a sweep of each GEMM's launch config (the other at its
-    default), the whole block replayed from a CUDA graph, and torch.profiler's kernel table."""
+    default), the whole block replayed from a CUDA graph, and torch.profiler's kernel table. Every
+    time is a CUDA-graph replay's (``_graph_us``)."""
     import itertools
 
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
     m = triton_moe
-    bench = lambda fn: triton.testing.do_bench(fn, rep=50, return_mode="median") * 1e3  # noqa: E731
+    bench = _graph_us
     ekw = {k: kw[k] for k in ("gate_packed", "gate_sf", "gate_gs", "up_packed", "up_sf", "up_gs",
                               "down_packed", "down_sf", "down_gs", "x_gs", "h_gs")}
     text = []
-    for label, T in ROWS:
+    for label, T in rows:
         x = (torch.randn(T, C, device="cuda", generator=gen)).bfloat16()
         out = torch.empty_like(x)
         ids, w = m.route(x, router, K)
@@ -158,33 +177,31 @@ def _profile(router, experts, shared, kw, gen, out_dir: Path) -> None:
         }
         text.append(f"## {label}: config {regime_name}, {block_expert.numel()} blocks of {bm} rows")
         for name, fn in stages.items():
-            text.append(f"  {name:16s} {bench(fn):10.1f} us")
+            try:
+                text.append(f"  {name:16s} {bench(fn):10.1f} us")
+            except Exception as exc:  # noqa: BLE001  (a stage that does not capture is a result)
+                text.append(f"  {name:16s} capture failed: {exc!r}"[:300])
         base = m.routed_experts(x, ids, w, **ekw).float()
         for gemm in ("gate_up", "down"):
             results = []
-            for bn, bk, st in itertools.product(*SWEEP.values()):
-                cfg = {gemm: {"BN": bn, "BK": bk, "num_stages": st}}
+            for bn, bk, st, split in itertools.product(*SWEEP.values()):
+                if gemm == "down" and split != 1:
+                    continue
+                cfg = {gemm: {"BN": bn, "BK": bk, "num_stages": st}
+                       | ({"SPLIT": split} if gemm == "gate_up" else {})}
                 try:
                     got = m.routed_experts(x, ids, w, **ekw, config=cfg).float()
                     rel = float((got - base).abs().max() / base.abs().max())
                     results.append((bench(lambda: m.routed_experts(x, ids, w, **ekw, config=cfg)),
-                                    bn, bk, st, rel))
+                                    bn, bk, st, split, rel))
                 except Exception as exc:  # noqa: BLE001  (a config that does not compile is a result)
-                    text.append(f"  {gemm} BN {bn} BK {bk} stages {st}: {type(exc).__name__}")
+                    text.append(f"  {gemm} BN {bn} BK {bk} stages {st} split {split}: "
+                                f"{type(exc).__name__}")
             results.sort()
-            text.append(f"  sweep {gemm} (routed_experts us, BN, BK, stages, max rel diff): "
-                        + "; ".join(f"{t:.1f} {bn} {bk} {st} {rel:.1e}"
-                                    for t, bn, bk, st, rel in results[:6]))
-        try:
-            for _ in range(2):
-                m.moe(x, router, K, **kw, out=out)
-            torch.cuda.synchronize()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                m.moe(x, router, K, **kw, out=out)
-            text.append(f"  moe from a CUDA graph {bench(graph.replay):10.1f} us")
-        except Exception as exc:  # noqa: BLE001
-            text.append(f"  moe from a CUDA graph: capture failed: {exc!r}"[:400])
+            text.append(f"  sweep {gemm} (routed_experts us, BN, BK, stages, split, max rel diff): "
+                        + "; ".join(f"{t:.1f} {bn} {bk} {st} {sp} {rel:.1e}"
+                                    for t, bn, bk, st, sp, rel in results[:8]))
+        text.append(f"  moe launched eagerly {triton.testing.do_bench(stages['moe'], rep=50, return_mode='median') * 1e3:10.1f} us")
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 m.moe(x, router, K, **kw, out=out)

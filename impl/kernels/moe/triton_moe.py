@@ -8,16 +8,19 @@ two global scales multiply the sum once (``x_gs * w_gs``): the spec's arithmetic
 operand in fp32, fp32 GEMM) in another rounding order, certified to tolerance.
 
 One block's steps:
-1. routing (torch): fp32 logits ``x @ W_r^T`` from the exact widening of x and W_r, softmax, the top-k
-   by (-p, expert index) with a stable sort, the weights renormalised (spec.ops.moe.moe_route's rule);
+1. routing: fp32 logits ``x @ W_r^T`` from the exact widening of x and W_r and torch's softmax, then
+   ``_topk_kernel``: the top-k by (-p, expert index), the weights renormalised (spec.ops.moe.moe_route's
+   rule; the renormalising sum taken best first);
 2. ``_quantize_kernel``: x quantized to nvfp4 with the layer's input scale, kept as the bf16 values
    ``code * sf`` (``nvfp4_values``: the spec's quantizer, spec.ops.kv_storage.nvfp4_quantize, bit for
    bit, in one launch);
-3. the (token, slot) pairs sorted by expert into blocks of BM rows (``regime``), each block one
-   expert's, on the device with no host synchronisation (the grid is the worst-case block count; blocks past
-   the last exit at once, so a step can be captured in a CUDA graph);
+3. ``expert_blocks``: the (token, slot) pairs grouped by expert into blocks of BM rows (``regime``),
+   each block one expert's, on the device with no host synchronisation (one launch up to 128 pairs,
+   a decode step's; the grid is the worst-case block count and blocks past the last exit at once,
+   so a step can be captured in a CUDA graph);
 4. ``_gate_up_kernel``: per (block, BN intermediate columns) the gate and up GEMMs from the same A
-   tile, each rounded to bf16, then ``h = silu(g) * u`` in fp32, quantized in the epilogue with its
+   tile (at few rows over SPLIT parts of K, added in part order by ``_gate_up_finish``), each
+   rounded to bf16, then ``h = silu(g) * u`` in fp32, quantized in the epilogue with its
    scale ``h_gs`` (h's only rounding point; the column tile holds whole 16-element blocks);
 5. ``_down_kernel``: per (block, BN output channels) the down GEMM, rounded to bf16, written to the
    pair's row;
@@ -54,23 +57,31 @@ from spec.ops.kv_storage import FP8_DTYPE
 # (a prefill chunk), where a larger block decodes each expert's weights for 4x the rows. Per GEMM:
 # columns of a program (BN, a multiple of 16: h's quantizer blocks lie inside a tile), input elements
 # of one K step (BK), warps and pipeline stages; few rows take narrow tiles, so that a step of ten
-# experts still fills the GPU. Triton's interpreter pays per operation, not per element, so it runs
-# the same kernels over larger tiles.
+# experts still fills the GPU; SPLIT (gate|up only) cuts K into parts run by their own programs, their
+# fp32 sums added in part order by ``_gate_up_finish``, so that ten experts' 16 column tiles become
+# enough programs to fill the SMs. Triton's interpreter pays per operation, not per element, so it runs
+# the same kernels over larger tiles (and two K parts, which certifies the split path on the CPU).
 ROWS_PER_EXPERT_FOR_BM64 = 8
 if INTERPRETING:
     _GEMMS = {"gate_up": {"BN": 256, "BK": 512, "num_warps": 4, "num_stages": 1},
               "down": {"BN": 256, "BK": 512, "num_warps": 4, "num_stages": 1}}
-    CONFIGS = {"few": _GEMMS, "many": _GEMMS, "bm64": _GEMMS}
+    CONFIGS = {"few": {**_GEMMS, "gate_up": {**_GEMMS["gate_up"], "SPLIT": 2}},
+               "many": _GEMMS, "bm64": _GEMMS}
 else:
     CONFIGS = {
-        "few": {"gate_up": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 2},
-                "down": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 2}},
-        "many": {"gate_up": {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 4},
+        "few": {"gate_up": {"BN": 32, "BK": 128, "num_warps": 4, "num_stages": 2, "SPLIT": 4},
+                "down": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 2}},
+        "many": {"gate_up": {"BN": 64, "BK": 128, "num_warps": 4, "num_stages": 2},
                  "down": {"BN": 128, "BK": 128, "num_warps": 4, "num_stages": 4}},
         "bm64": {"gate_up": {"BN": 64, "BK": 64, "num_warps": 4, "num_stages": 3},
                  "down": {"BN": 128, "BK": 64, "num_warps": 4, "num_stages": 3}},
     }
 FEW_PAIRS = 64   # at most this many (token, slot) pairs: the "few" config
+
+
+def k_parts(K: int, BK: int, want: int) -> int:
+    """The most K parts, at most ``want``, that split K into whole BK steps."""
+    return max(s for s in range(1, max(1, want) + 1) if K % (s * BK) == 0)
 
 
 def regime(pairs: int, num_experts: int) -> tuple[str, int]:
@@ -95,6 +106,17 @@ def _e2m1(nibble):
     m = mag & 1
     val = tl.where(e == 0, m.to(tl.float32) * 0.5, ((2 + m) << e).to(tl.float32) * 0.25)
     return tl.where((nibble & 8) != 0, -val, val)
+
+
+@triton.jit
+def _e2m1_2m14(code):
+    """The low 4 bits of ``code`` (int32), an e2m1 code, -> its value times 2^-14 in fp32, exactly:
+    the code's magnitude bits placed as fp16's top exponent bit pair and first mantissa bit (bits
+    9-11) and its sign as fp16's (bit 15) make the fp16 number code * 2^-14 (code 0.5 lands on the
+    subnormal 2^-15), widened exactly. Four integer operations and one conversion a code; ``_e2m1``
+    times 2^-14, bit for bit, signed zero included."""
+    bits = ((code << 9) & 0xE00) | ((code << 12) & 0x8000)
+    return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -162,16 +184,33 @@ def _weight_tile(packed_ptr, sf_ptr, rows, row_mask, k0, K: tl.constexpr, BN: tl
     gmask = row_mask[:, None] & (kg[None, :] < K // 16)
     sfg = _e4m3(tl.load(sf_ptr + rows[:, None] * (K // 16) + kg[None, :], mask=gmask,
                         other=0).to(tl.int32))
-    sf = tl.reshape(tl.broadcast_to(sfg[:, :, None], (BN, G, 8)), (BN, HALF))
-    lo = (_e2m1(bytes_ & 15) * sf).to(OPERAND)
-    hi = (_e2m1(bytes_ >> 4) * sf).to(OPERAND)
+    sf = tl.reshape(tl.broadcast_to((sfg * 16384.0)[:, :, None], (BN, G, 8)), (BN, HALF))
+    lo = (_e2m1_2m14(bytes_) * sf).to(OPERAND)
+    hi = (_e2m1_2m14(bytes_ >> 4) * sf).to(OPERAND)
     return lo, hi
 
 
 @triton.jit
+def _h_epilogue(acc_g, acc_u, live, n_mask, e, slots, n, x_gs, gate_gs, up_gs, h_gs, hq,
+                I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
+    """g and u rounded to bf16, ``h = silu(g) * u`` in fp32, quantized with h_gs, stored to hq."""
+    xs = tl.load(x_gs)
+    g = round_to_bf16(acc_g * (xs * tl.load(gate_gs + e)))
+    u = round_to_bf16(acc_u * (xs * tl.load(up_gs + e)))
+    hv = g / (1.0 + tl.exp(-g)) * u
+    hv = tl.where(live[:, None] & n_mask[None, :], hv, 0.0)
+    hv = nvfp4_values(hv, tl.load(h_gs), BM, BN // 16)
+    tl.store(hq + slots.to(tl.int64)[:, None] * I + n[None, :], hv.to(tl.bfloat16),
+             mask=n_mask[None, :])
+
+
+@triton.jit
 def _gate_up_kernel(xq, rows_of, block_expert, gate_packed, gate_sf, gate_gs, up_packed, up_sf,
-                    up_gs, x_gs, h_gs, hq, num_experts, K: tl.constexpr, I: tl.constexpr,
-                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                    up_gs, x_gs, h_gs, hq, part, num_experts, K: tl.constexpr, I: tl.constexpr,
+                    TOP_K: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                    SPLIT: tl.constexpr):
+    """Program (block, column tile, K part): with SPLIT == 1 the whole K and h's epilogue; with
+    SPLIT > 1 the fp32 sums over its K / SPLIT inputs, stored to ``part`` for ``_gate_up_finish``."""
     blk = tl.program_id(0)
     e = tl.load(block_expert + blk)
     if e >= num_experts:
@@ -187,7 +226,9 @@ def _gate_up_kernel(xq, rows_of, block_expert, gate_packed, gate_sf, gate_gs, up
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
     HALF: tl.constexpr = BK // 2
-    for k0 in range(0, K, BK):
+    KS: tl.constexpr = K // SPLIT
+    k_first = tl.program_id(2) * KS
+    for k0 in range(k_first, k_first + KS, BK):
         kb = k0 // 2 + tl.arange(0, HALF)
         a_mask = live[:, None] & (kb[None, :] < K // 2)
         a_even = tl.load(xq + token[:, None] * K + 2 * kb[None, :], mask=a_mask,
@@ -200,14 +241,39 @@ def _gate_up_kernel(xq, rows_of, block_expert, gate_packed, gate_sf, gate_gs, up
         u_lo, u_hi = _weight_tile(up_packed, up_sf, w_rows, n_mask, k0, K, BN, HALF)
         acc_u += tl.dot(a_even, tl.trans(u_lo))
         acc_u += tl.dot(a_odd, tl.trans(u_hi))
-    xs = tl.load(x_gs)
-    g = round_to_bf16(acc_g * (xs * tl.load(gate_gs + e)))
-    u = round_to_bf16(acc_u * (xs * tl.load(up_gs + e)))
-    hv = g / (1.0 + tl.exp(-g)) * u
-    hv = tl.where(live[:, None] & n_mask[None, :], hv, 0.0)
-    hv = nvfp4_values(hv, tl.load(h_gs), BM, BN // 16)
-    tl.store(hq + slots.to(tl.int64)[:, None] * I + n[None, :], hv.to(tl.bfloat16),
-             mask=n_mask[None, :])
+    if SPLIT == 1:
+        _h_epilogue(acc_g, acc_u, live, n_mask, e, slots, n, x_gs, gate_gs, up_gs, h_gs, hq,
+                    I, BM, BN)
+    else:
+        rows = tl.num_programs(0) * BM
+        at = ((tl.program_id(2) * 2 * rows + slots).to(tl.int64)[:, None] * I + n[None, :])
+        mask = live[:, None] & n_mask[None, :]
+        tl.store(part + at, acc_g, mask=mask)
+        tl.store(part + rows * I + at, acc_u, mask=mask)
+
+
+@triton.jit
+def _gate_up_finish(part, rows_of, block_expert, gate_gs, up_gs, x_gs, h_gs, hq, num_experts,
+                    I: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
+    """The K parts' fp32 sums added in part order, then h's epilogue (``_h_epilogue``)."""
+    blk = tl.program_id(0)
+    e = tl.load(block_expert + blk)
+    if e >= num_experts:
+        return
+    e = e.to(tl.int64)
+    slots = blk * BM + tl.arange(0, BM)
+    live = tl.load(rows_of + slots) >= 0
+    n = tl.program_id(1) * BN + tl.arange(0, BN)
+    n_mask = n < I
+    rows = tl.num_programs(0) * BM
+    mask = live[:, None] & n_mask[None, :]
+    acc_g = tl.zeros([BM, BN], dtype=tl.float32)
+    acc_u = tl.zeros([BM, BN], dtype=tl.float32)
+    for s in tl.static_range(SPLIT):
+        at = ((s * 2 * rows + slots).to(tl.int64)[:, None] * I + n[None, :])
+        acc_g = acc_g + tl.load(part + at, mask=mask, other=0.0)
+        acc_u = acc_u + tl.load(part + rows * I + at, mask=mask, other=0.0)
+    _h_epilogue(acc_g, acc_u, live, n_mask, e, slots, n, x_gs, gate_gs, up_gs, h_gs, hq, I, BM, BN)
 
 
 @triton.jit
@@ -274,14 +340,76 @@ def quantized_values(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     return out
 
 
+@triton.jit
+def _topk_kernel(p, ids_out, w_out, E, TOP_K: tl.constexpr, BE: tl.constexpr):
+    """One row of p [T, E]: the top-k experts by (-p, expert index), NaN p ranked last (as -inf),
+    and their p renormalised by their sum, taken best first."""
+    t = tl.program_id(0).to(tl.int64)
+    e = tl.arange(0, BE)
+    pv = tl.load(p + t * E + e, mask=e < E, other=float("nan"))
+    key = tl.where(pv != pv, float("-inf"), pv)
+    free = e < E
+    picked = tl.zeros([BE], dtype=tl.float32)
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.max(tl.where(free, key, float("-inf")), axis=0)
+        idx = tl.min(tl.where(free & (key == best), e, BE), axis=0)
+        pj = tl.sum(tl.where(e == idx, pv, 0.0), axis=0)
+        tl.store(ids_out + t * TOP_K + j, idx.to(tl.int64))
+        picked = tl.where(e == j, pj, picked)
+        total = total + pj
+        free = free & (e != idx)
+    tl.store(w_out + t * TOP_K + e, picked / total, mask=e < TOP_K)
+
+
 def route(x: torch.Tensor, w_router: torch.Tensor, top_k: int
           ) -> tuple[torch.Tensor, torch.Tensor]:
-    """spec.ops.moe.moe_route's rule with one fp32 GEMM: ids [T, k] best first, weights [T, k] fp32."""
-    p = torch.softmax(widened_matmul(x, w_router.T), dim=-1)
-    rank_key = torch.where(torch.isnan(p), torch.full_like(p, float("-inf")), p)
-    ids = torch.sort(rank_key, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    p_sel = torch.gather(p, -1, ids)
-    return ids, p_sel / p_sel.sum(dim=-1, keepdim=True)
+    """spec.ops.moe.moe_route's rule with one fp32 GEMM and torch's softmax: ids [T, k] best first,
+    weights [T, k] fp32. The top-k and the renormalisation are one launch (``_topk_kernel``)."""
+    p = torch.softmax(widened_matmul(x, w_router.T), dim=-1).contiguous()
+    T, E = p.shape
+    ids = torch.empty(T, top_k, dtype=torch.int64, device=p.device)
+    weights = torch.empty(T, top_k, dtype=torch.float32, device=p.device)
+    if T:
+        _topk_kernel[(T,)](p, ids, weights, E, TOP_K=top_k, BE=triton.next_power_of_2(E))
+    return ids, weights
+
+
+@triton.jit
+def _blocks_kernel(ids, rows_of, block_expert, P, num_experts, n_slots, max_blocks,
+                   BM: tl.constexpr, BP: tl.constexpr, BS: tl.constexpr, BB: tl.constexpr):
+    """``expert_blocks`` in one program for P <= BP pairs, from pair-by-pair comparisons: a pair's
+    rank among the earlier pairs of its expert, its expert's block count, and the blocks of the
+    experts below its own (each expert counted at its first pair)."""
+    i = tl.arange(0, BP)
+    j = tl.arange(0, BP)
+    live_i = i < P
+    live_j = j < P
+    id_i = tl.load(ids + i, mask=live_i, other=num_experts).to(tl.int32)
+    id_j = tl.load(ids + j, mask=live_j, other=num_experts).to(tl.int32)
+    same = (id_i[:, None] == id_j[None, :]) & live_i[:, None] & live_j[None, :]
+    rank_i = tl.sum((same & (j[None, :] < i[:, None])).to(tl.int32), axis=1)
+    blocks_i = (tl.sum(same.to(tl.int32), axis=1) + BM - 1) // BM
+    first_i = live_i & (rank_i == 0)
+    rank_j = tl.sum((same & (i[:, None] < j[None, :])).to(tl.int32), axis=0)
+    blocks_j = (tl.sum(same.to(tl.int32), axis=0) + BM - 1) // BM
+    first_j = live_j & (rank_j == 0)
+    start_i = tl.sum(tl.where(first_j[None, :] & (id_j[None, :] < id_i[:, None]),
+                              blocks_j[None, :], 0), axis=1)
+    start_j = tl.sum(tl.where(first_i[:, None] & (id_i[:, None] < id_j[None, :]),
+                              blocks_i[:, None], 0), axis=0)
+    s = tl.arange(0, BS)
+    tl.store(rows_of + s, tl.full([BS], -1, tl.int32), mask=s < n_slots)
+    tl.debug_barrier()
+    tl.store(rows_of + start_i * BM + rank_i, i, mask=live_i)
+    b = tl.arange(0, BB)
+    owner = first_j[None, :] & (start_j[None, :] <= b[:, None]) \
+        & (b[:, None] < (start_j + blocks_j)[None, :])
+    tl.store(block_expert + b, tl.min(tl.where(owner, id_j[None, :], num_experts), axis=1),
+             mask=b < max_blocks)
+
+
+BLOCKS_KERNEL_MAX_PAIRS = 128   # ``_blocks_kernel``'s pair-by-pair tables up to this many pairs
 
 
 def expert_blocks(expert_ids: torch.Tensor, num_experts: int, bm: int = 16
@@ -290,9 +418,28 @@ def expert_blocks(expert_ids: torch.Tensor, num_experts: int, bm: int = 16
 
     Returns (rows_of int32 [max_blocks * bm]: the pair (token * k + slot) a block row holds, -1 for
     padding; block_expert int32 [max_blocks]: each block's expert, ``num_experts`` past the last
-    block). max_blocks = ceil(P / bm) + min(P, E) bounds the block count for P pairs.
+    block). max_blocks = ceil(P / bm) + min(P, E) bounds the block count for P pairs. Experts'
+    blocks follow in expert order and a block's rows in pair order. Up to
+    BLOCKS_KERNEL_MAX_PAIRS pairs one launch (``_blocks_kernel``), else a sort and scans.
     """
     flat = expert_ids.reshape(-1)
+    P, dev = flat.numel(), flat.device
+    max_blocks = -(-P // bm) + min(P, num_experts)
+    if 0 < P <= BLOCKS_KERNEL_MAX_PAIRS:
+        rows_of = torch.empty(max_blocks * bm, dtype=torch.int32, device=dev)
+        block_expert = torch.empty(max_blocks, dtype=torch.int32, device=dev)
+        _blocks_kernel[(1,)](flat.contiguous(), rows_of, block_expert, P, num_experts,
+                             max_blocks * bm, max_blocks, BM=bm,
+                             BP=max(16, triton.next_power_of_2(P)),
+                             BS=triton.next_power_of_2(max_blocks * bm),
+                             BB=triton.next_power_of_2(max_blocks), num_warps=8)
+        return rows_of, block_expert
+    return expert_blocks_sorted(flat, num_experts, bm)
+
+
+def expert_blocks_sorted(flat: torch.Tensor, num_experts: int, bm: int
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``expert_blocks`` for any pair count: a stable sort by expert, counts and scans."""
     P, dev = flat.numel(), flat.device
     max_blocks = -(-P // bm) + min(P, num_experts)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(
@@ -334,9 +481,17 @@ def routed_experts(x, expert_ids, weights, gate_packed, gate_sf, gate_gs, up_pac
     n_blocks = block_expert.shape[0]
     xq = quantized_values(x, x_gs)
     hq = torch.empty(n_blocks * bm, I, dtype=torch.bfloat16, device=dev)
-    _gate_up_kernel[(n_blocks, triton.cdiv(I, gu["BN"]))](
+    gu = dict(gu)
+    split = k_parts(C, gu["BK"], gu.pop("SPLIT", 1))
+    part = torch.empty(split * 2 * n_blocks * bm, I, dtype=torch.float32, device=dev) \
+        if split > 1 else hq
+    _gate_up_kernel[(n_blocks, triton.cdiv(I, gu["BN"]), split)](
         xq, rows_of, block_expert, gate_packed, _bytes(gate_sf), gate_gs, up_packed, _bytes(up_sf),
-        up_gs, x_gs, h_gs, hq, E, K=C, I=I, TOP_K=k, BM=bm, **gu)
+        up_gs, x_gs, h_gs, hq, part, E, K=C, I=I, TOP_K=k, BM=bm, SPLIT=split, **gu)
+    if split > 1:
+        _gate_up_finish[(n_blocks, triton.cdiv(I, gu["BN"]))](
+            part, rows_of, block_expert, gate_gs, up_gs, x_gs, h_gs, hq, E, I=I, BM=bm,
+            BN=gu["BN"], SPLIT=split)
     slot_out = torch.empty(T * k, C, dtype=torch.float32, device=dev)
     _down_kernel[(n_blocks, triton.cdiv(C, dn["BN"]))](
         hq, rows_of, block_expert, down_packed, _bytes(down_sf), down_gs, h_gs, slot_out, E,
