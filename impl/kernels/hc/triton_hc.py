@@ -31,7 +31,10 @@ from spec.ops.hc import SINKHORN_ITERS
 EPS = 1e-6          # spec/ops/hc.py:EPS
 NORM_LANES = 4096   # the inject norm's accumulator lanes
 BLOCK_C = 1024      # channels a program of the pre-mix and the up projection
-SINKHORN_TOKENS = 32  # tokens a program of the Sinkhorn rounds
+# Tokens a program of the Sinkhorn rounds, and its warps: one warp's reductions over 8 tokens' 4 x 4
+# matrices need no shared memory (bench/hc_sinkhorn.py; the same bits as 32 tokens on 4 warps).
+SINKHORN_TOKENS = 8
+SINKHORN_WARPS = 1
 # The compiled kernels keep every product and sum apart, as the spec's tensor ops do; the
 # interpreter evaluates each operation on its own anyway.
 _UNFUSED = {} if INTERPRETING else {"enable_fp_fusion": False}
@@ -127,7 +130,7 @@ def hc_first_projection(v: torch.Tensor, r: torch.Tensor, phi: torch.Tensor, bia
     if T == 0:
         return
     _sinkhorn_kernel[(triton.cdiv(T, SINKHORN_TOKENS),)](M, h_res, T, SINKHORN_ITERS, N=n,
-                                                        BT=SINKHORN_TOKENS, num_warps=4)
+                                                        BT=SINKHORN_TOKENS, num_warps=SINKHORN_WARPS)
 
 
 def hc_pre(X: torch.Tensor, h_pre: torch.Tensor, act_dtype: torch.dtype = torch.bfloat16, *,
