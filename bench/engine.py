@@ -131,6 +131,36 @@ def timed_run(engine: Engine, requests: list[Request]) -> StepTimes:
     return StepTimes(prefill, decode)
 
 
+def kernel_profile(engine: Engine, requests: list[Request], steps: int = 3) -> list[str]:
+    """The GPU kernels of ``steps`` decode steps, by name: time and launches a step (torch.profiler,
+    eager launches; a kernel's GPU time is the same replayed from a graph)."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+
+    for r in requests:
+        engine.submit(r)
+    before = engine.step_kinds.get("decode", 0)
+    while engine.step_kinds.get("decode", 0) == before and not engine.idle:
+        engine.step()
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    while not engine.idle:
+        engine.step()
+    self_time = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    rows = [(self_time(e) / steps, e.count / steps, e.key)
+            for e in prof.key_averages() if self_time(e) > 0]
+    rows.sort(reverse=True)
+    total = max(sum(t for t, _, _ in rows), 1e-9)
+    out = [f"GPU kernel time a decode step: {total / 1e3:.2f} ms in "
+           f"{sum(c for _, c, _ in rows):.0f} launches", "",
+           "| us a step | share | launches a step | kernel |", "|---|---|---|---|"]
+    out += [f"| {t:.1f} | {100 * t / total:.1f} % | {c:.0f} | `{k[:90]}` |" for t, c, k in rows[:40]]
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=("target", "tiny"), default="target")
@@ -148,6 +178,9 @@ def main() -> None:
     ap.add_argument("--peer-prompt-len", type=int, default=64,
                     help="prompt tokens in the torch mode's runs")
     ap.add_argument("--out", default="reports/bench")
+    ap.add_argument("--profile", action="store_true",
+                    help="also write engine_profile.md: the GPU kernels of a decode step, by name "
+                         "(eager mode, each batch)")
     args = ap.parse_args()
     cfg = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.target()
     if args.layers:
@@ -183,6 +216,8 @@ def main() -> None:
              "floor MB | floor ms | % of floor | largest floor part |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     batches = [int(b) for b in args.batch.split(",")]
+    profile_lines = [f"# Decode-step kernels, {args.model} geometry with {cfg.num_layers} layers "
+                     f"({dt.date.today()})", "", where + ".", ""]
     modes = args.modes.split(",")
     for rows in batches:
         for mode in modes:
@@ -204,6 +239,10 @@ def main() -> None:
                          f"{step * 1e3:.2f} | {times.spread()} | {total / 1e6:.0f} | {floor} | "
                          f"{share} | {big} {100 * parts[big] / total:.0f} % |")
             print(lines[-1], flush=True)
+            if args.profile and mode == "eager":
+                profile_lines += ["", f"## batch {rows}", ""] + kernel_profile(
+                    engine, _requests(cfg, rows, plen, 8, seed=2))
+                print("\n".join(profile_lines[-14:]), flush=True)
             del engine
             if cuda:
                 torch.cuda.empty_cache()
@@ -214,6 +253,8 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
+    if args.profile:
+        (out_dir / "engine_profile.md").write_text("\n".join(profile_lines) + "\n")
 
 
 if __name__ == "__main__":
