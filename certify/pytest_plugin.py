@@ -17,6 +17,8 @@
 - ``--certify-items FILE`` writes the item universe (every item id with its declared tier, arch, guard
   and property ops, cell or gate) as JSON; ``--record-durations [FILE]`` records each item's measured
   duration (setup + call + teardown; skipped items are not measured) into the durations file.
+- Items run file by file, the file holding the longest measured item first, so that under
+  pytest-xdist the long items start early instead of running alone at the end.
 """
 
 from __future__ import annotations
@@ -63,6 +65,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "arch(name): the architecture an item needs")
     config.addinivalue_line("markers", "certify_guard(op): the hand-checkable single case of an op")
     config.addinivalue_line("markers", "certify_property(op): the hypothesis property test of an op")
+    config.pluginmanager.register(_RunOrder(), "certify-run-order")
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector):
@@ -187,6 +190,34 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 node.own_markers[:] = [m for m in node.own_markers if m.name not in TIERS]
     for item in items:
         item.add_marker(getattr(pytest.mark, listed.get(item.nodeid, declared[item.nodeid])))
+
+
+class _RunOrder:
+    """Orders the items that remain once ``-m`` and ``-k`` have deselected (hence trylast)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config: pytest.Config, items: list[pytest.Item]) -> None:
+        _longest_files_first(items, project_paths(str(config.rootpath)).lists / "durations.json")
+
+
+def _longest_files_first(items: list[pytest.Item], durations_file: Path) -> None:
+    """Reorder the items file by file, the file holding the longest measured item first (items of a
+    file keep their order, so module fixtures are set up once). pytest-xdist hands items out in this
+    order, so a long item starts while the short ones fill the other workers instead of running
+    alone at the end."""
+    from certify.lists import load_durations  # noqa: PLC0415
+
+    try:
+        seconds = load_durations(durations_file) if durations_file.is_file() else {}
+    except Exception:  # noqa: BLE001  (a damaged durations file is the lists' error to report)
+        return
+    longest: dict[str, float] = {}
+    for item in items:
+        f = item.nodeid.split("::", 1)[0]
+        longest[f] = max(longest.get(f, 0.0), seconds.get(item.nodeid, 0.0))
+    first_seen = {f: n for n, f in enumerate(dict.fromkeys(i.nodeid.split("::", 1)[0] for i in items))}
+    items.sort(key=lambda i: (-longest[i.nodeid.split("::", 1)[0]],
+                              first_seen[i.nodeid.split("::", 1)[0]]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
