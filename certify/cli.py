@@ -68,7 +68,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     rows = build_rows(catalog, load_receipts(paths.receipts))
     extras = report_extras(paths.extras)
     reach = load_reach(paths.reach)
-    print(terminal_report(catalog, rows, reach))
+    print(terminal_report(catalog, rows, reach, matrix=args.matrix))
     if extras:
         print("\n" + "\n".join(extras))
     written = write_reports(paths.reports, catalog, rows, extras, reach)
@@ -307,6 +307,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--all", action="store_true", help="re-certify everything, not only the outdated")
     r.add_argument("--op", action="append", help="limit the certification step to these ops")
     r.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
+    r.add_argument("--matrix", action="store_true",
+                   help="also print every (variant, cell) row (reports/coverage.md holds them)")
     r.set_defaults(fn=_cmd_report)
     c = sub.add_parser("run", help="certify cells and write receipts")
     c.add_argument("--op", action="append", help="only this op (repeatable; default: every op)")

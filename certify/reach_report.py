@@ -7,6 +7,7 @@ rows (receipt statuses), so the committed reports stay checkable for staleness.
 
 from __future__ import annotations
 
+import textwrap
 from typing import TYPE_CHECKING
 
 from tabulate import tabulate
@@ -204,7 +205,8 @@ def terminal_gaps(reach: ReachFile | None, findings: list[Finding], limit: int =
     for f in _by_kind(findings, "no_variant"):
         nv.setdefault(f.arch or "?", []).append(f.op)
     out += [f"  no variant runs on {arch}: {_short(ops, 6)}" for arch, ops in sorted(nv.items())]
-    out += [f"  refused on {mode} ({len(names)} scenarios): {reason[:110]}"
+    out += [f"  refused on {mode} ({len(names)} scenarios): "
+            f"{textwrap.shorten(reason, 110, placeholder=' [...]')}"
             for mode, (reason, names) in refused_modes(reach).items()]
     out += [f"  outside declared domain: {axis} = {reached} in {_short(ops, 4)}"
             for (axis, reached), ops in _domain_groups(findings).items()]

@@ -44,12 +44,25 @@ def _archs(catalog: Catalog) -> list[str]:
     return [a for a in ARCH_ORDER if a in seen] + sorted(seen - set(ARCH_ORDER))
 
 
-def _measured(r: Receipt | None) -> str:
+def _measured(r: Receipt | None, op: OpFile | None = None, cell_id: str | None = None) -> str:
+    """The receipt's result in one phrase: for a tolerance cell the output nearest its band, as
+    measured / band ulp (its name where the cell bands several outputs); bitwise, or how many
+    elements differ."""
     if r is None:
         return ""
-    ulps = [v for k, v in r.metrics.items() if k.endswith(".ulp")]
+    ulps = {k[: -len(".ulp")]: v for k, v in r.metrics.items() if k.endswith(".ulp")}
     if ulps:
-        return f"{max(ulps):.2f} ulp"
+        bands = {}
+        if op is not None and cell_id is not None:
+            oracle = op.cell(cell_id).oracle
+            bands = {n: b.max_ulp for n, b in (oracle.outputs or {}).items()} \
+                if oracle.kind != "bitwise" else {}
+        banded = {n: (v, bands[n]) for n, v in ulps.items() if bands.get(n)}
+        if banded:
+            name, (v, band) = max(banded.items(), key=lambda kv: kv[1][0] / kv[1][1])
+            where = f" {name}" if len(banded) > 1 else ""
+            return f"{v:.2f}/{band:g} ulp{where}"
+        return f"{max(ulps.values()):.2f} ulp"
     mism = [v for k, v in r.metrics.items() if k.endswith(".mismatches")]
     if mism:
         return "bitwise" if max(mism) == 0 else f"{int(max(mism))} differ"
@@ -75,7 +88,7 @@ def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Rec
                                 _oracle_text(op, t.cell.id), {}, {}, {})
             r = books.get(t.arch, {}).get(key)
             rows[key].status[t.arch] = freshness(r, op, t.variant.name, t.cell, t.arch)
-            rows[key].measured[t.arch] = _measured(r)
+            rows[key].measured[t.arch] = _measured(r, op, t.cell.id)
             if r is not None:
                 rows[key].receipts[t.arch] = r
     return list(rows.values())
@@ -108,22 +121,52 @@ def counts(rows: list[Row], archs: list[str]) -> list[list]:
     return table
 
 
+def op_summary(rows: list[Row], archs: list[str]) -> list[list]:
+    """One row per op: per arch, certified of its (variant, cell) targets there, and what is not."""
+    table = []
+    for name in sorted({r.op for r in rows}):
+        line = [name]
+        for arch in archs:
+            states = [r.status[arch] for r in rows if r.op == name and arch in r.status]
+            if not states:
+                line.append("-")
+                continue
+            ok = states.count("certified")
+            rest = ", ".join(f"{n} {s}" for s in STATUSES if s != "certified"
+                             and (n := states.count(s)))
+            line.append(f"{ok}/{len(states)}" + (f" ({rest})" if rest else ""))
+        table.append(line)
+    return table
+
+
+def _summary_lines(rows: list[Row], archs: list[str], fmt: str) -> list[str]:
+    return [tabulate(counts(rows, archs), headers=["arch", *STATUSES], tablefmt=fmt), "",
+            tabulate(op_summary(rows, archs), headers=["op (certified/targets)", *archs],
+                     tablefmt=fmt)]
+
+
 def findings_of(catalog: Catalog, reach: ReachFile | None) -> list[Finding]:
     return catalog_findings(catalog) + (reach_findings(catalog, reach) if reach else [])
 
 
-def terminal_report(catalog: Catalog, rows: list[Row], reach: ReachFile | None = None) -> str:
+def terminal_report(catalog: Catalog, rows: list[Row], reach: ReachFile | None = None,
+                    matrix: bool = False) -> str:
+    """The totals, the op x arch summary and the reach gaps; with ``matrix`` every (variant, cell)
+    row as well (reports/coverage.md holds it either way)."""
     archs = _archs(catalog)
-    out = [terminal_gaps(reach, findings_of(catalog, reach)), ""]
+    out = [*_summary_lines(rows, archs, "simple"), ""]
     if catalog.errors:
-        out.append("Cell files that could not be loaded (their ops are missing below):")
+        out.append("Cell files that could not be loaded (their ops are missing above):")
         out += [f"  {e}" for e in catalog.errors]
         out.append("")
-    out.append(tabulate(counts(rows, archs), headers=["arch", *STATUSES], tablefmt="simple"))
-    out.append("")
-    out.append(tabulate([[r.op, r.variant, r.cell, r.tier, *[_status_cell(r, a) for a in archs]]
-                         for r in rows], headers=["op", "variant", "cell", "tier", *archs],
-                        tablefmt="simple"))
+    out.append(terminal_gaps(reach, findings_of(catalog, reach)))
+    if matrix:
+        out += ["", tabulate([[r.op, r.variant, r.cell, r.tier, *[_status_cell(r, a) for a in archs]]
+                              for r in rows], headers=["op", "variant", "cell", "tier", *archs],
+                             tablefmt="simple")]
+    else:
+        out += ["", "every (variant, cell) row: reports/coverage.md, \"Matrix\" "
+                "(or `certify report --matrix`)"]
     return "\n".join(out)
 
 
@@ -138,6 +181,7 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
           "that is no evidence of what it says: its arch, versions, seed, digests or metrics contradict "
           "it; the reason is under Needs attention), not run (no receipt, or one whose key appears "
           "twice in its file), - (the variant does not run on that arch).", ""]
+    md += ["## Totals", "", *_summary_lines(rows, archs, "github"), ""]
     md += gaps_markdown(catalog, reach, rows, findings)
     attention = [r for r in rows if any(s != "certified" for s in r.status.values())]
     md += ["## Needs attention", ""]
@@ -158,8 +202,6 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
                "What the cell files say is outside their cells (details in each op's note):", ""]
         md += [f"- [{name}](ops/{name}.md): {item.what}" for name, item in declared]
     md += ["", *cost_markdown(findings)]
-    md += ["## Totals", "",
-           tabulate(counts(rows, archs), headers=["arch", *STATUSES], tablefmt="github"), ""]
     if extras:
         md += [*extras, ""]
     md += ["## Matrix", ""]

@@ -1,0 +1,35 @@
+"""The report's first screen: the op x arch summary counts every target where it runs, and a
+certified cell shows its nearest output's measured error against that output's band."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+from certify.catalog import load_catalog
+from certify.paths import project_paths
+from certify.report import Row, _measured, op_summary
+
+
+def _row(op, variant, status):
+    return Row(op, variant, "c", "premerge", "", status, {}, {})
+
+
+def test_the_summary_counts_each_arch_and_names_what_is_not_certified():
+    rows = [_row("a", "v1", {"cpu": "certified", "sm_90": "certified"}),
+            _row("a", "v2", {"sm_90": "failed"}),
+            _row("a", "v3", {"sm_90": "stale"}),
+            _row("b", "v1", {"cpu": "certified"})]
+    assert op_summary(rows, ["cpu", "sm_90"]) == [
+        ["a", "1/1", "1/3 (1 failed, 1 stale)"],
+        ["b", "1/1", "-"]]
+
+
+def test_a_certified_cell_shows_its_nearest_output_against_its_band():
+    op = load_catalog(project_paths().cells).ops["gdn_decode"]
+    cell = next(c for c in op.cells if c.oracle.kind != "bitwise" and len(c.oracle.outputs) > 1)
+    (a, band_a), (b, band_b) = [(n, o.max_ulp) for n, o in cell.oracle.outputs.items()][:2]
+    near_a = SimpleNamespace(metrics={f"{a}.ulp": 0.9 * band_a, f"{b}.ulp": 0.1 * band_b})
+    near_b = SimpleNamespace(metrics={f"{a}.ulp": 0.1 * band_a, f"{b}.ulp": 0.9 * band_b})
+    assert _measured(near_a, op, cell.id) == f"{0.9 * band_a:.2f}/{band_a:g} ulp {a}"
+    assert _measured(near_b, op, cell.id) == f"{0.9 * band_b:.2f}/{band_b:g} ulp {b}"
+    assert _measured(SimpleNamespace(metrics={"x.mismatches": 0.0})) == "bitwise"
