@@ -10,8 +10,9 @@
 
 ``run`` shows a progress bar per engine run (with ``--jobs``, labelled by gate, beside one over the
 gates), prints each check's verdict with its exact p-value and level, false-fail rate and power, and
-writes ``reports/gates/<gate>.json`` (with every run's per-sample scores) and
-``reports/gates/summary.md``. Each check runs at its share of its tier's family-wise rate, the
+writes ``<gate>.json`` (with every run's per-sample scores) and ``summary.md`` into runs/gates/
+(untracked; ``--report-dir DIR`` elsewhere), or with ``--update-reports`` into the committed
+reports/gates/. Each check runs at its share of its tier's family-wise rate, the
 family being every gate file of the tier, whichever gates this command runs. ``render`` judges the
 stored scores again under the current statistics and references, without running the engine. Exit 1 when a gate failed, lacked a
 reference, or a file had errors (a --record run whose checks lacked references and recorded them
@@ -24,11 +25,13 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from certify.gatejudge import tier_families
 from certify.gatereport import render, write_report
 from certify.gaterun import run_gate, run_gates_in_jobs
 from certify.gates import ReferenceStore, gate_settings, load_gates, load_target
+from certify.paths import project_paths
 from certify.schema import TIERS
 
 
@@ -36,6 +39,20 @@ def _progress():
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                     TimeElapsedColumn(), transient=True)
+
+
+UNTRACKED_REPORTS = Path("runs") / "gates"
+
+
+def report_dir(args: argparse.Namespace, settings) -> Path:
+    """Where ``run`` writes its reports: the committed reports/gates/ only with --update-reports (its
+    costs and date are this machine's and today's), else --report-dir, else runs/gates/ under the
+    project root (ignored by git)."""
+    if args.update_reports:
+        return Path(settings.reports)
+    if args.report_dir:
+        return Path(args.report_dir)
+    return project_paths().root / UNTRACKED_REPORTS
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -59,6 +76,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print("no gate selected", file=sys.stderr)
         return 1
     bad = [bool(loaded.errors or store.errors)]
+    out_dir = report_dir(args, settings)
     families = tier_families(loaded.gates.values())   # every gate file of a tier, run or not
     with _progress() as bar:
         runs: dict[str, int] = {}
@@ -74,7 +92,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
             if result.recorded:
                 bar.console.print(f"  recorded references: {', '.join(result.recorded)}", soft_wrap=True)
             if result.status != "skipped" and not args.no_report:
-                write_report(result, settings.reports, loaded.gates)
+                write_report(result, out_dir, loaded.gates)
             bad[0] |= result.status in ("failed", "no reference")  # recorded: what --record asked for
 
         if args.jobs > 1 and len(chosen) > 1:
@@ -166,7 +184,13 @@ def add_parser(sub) -> None:
     r.add_argument("--record", action="store_true",
                    help="write a reference for every configuration run that has none")
     r.add_argument("--overwrite", action="store_true", help="with --record: replace existing ones")
-    r.add_argument("--no-report", action="store_true", help="do not write reports/gates/")
+    r.add_argument("--no-report", action="store_true", help="write no report")
+    r.add_argument("--report-dir", metavar="DIR", default=None,
+                   help=f"write the reports here (default: {UNTRACKED_REPORTS}/ under the project "
+                        "root, which git ignores)")
+    r.add_argument("--update-reports", action="store_true",
+                   help="write the reports into the committed reports/gates/ instead (the record "
+                        "`certify lists` and `certify gates list` read gate costs from)")
     r.add_argument("--jobs", "-j", type=int, default=1, metavar="N",
                    help="run the gates in N worker processes, longest first, each with 1/N of the "
                         "cores (OMP_NUM_THREADS, unless set); their references are merged here")

@@ -21,6 +21,7 @@ from certify.gatejudge import CheckResult, Family, tier_families, tier_rate
 from certify.gaterun import GateResult, RunRecord, rejudge
 from certify.gates import ReferenceStore
 from certify.gateschema import GateFile
+from certify.atomic import atomic_write_text
 from certify.schema import TIERS
 
 STATISTICS_NAMES = {
@@ -56,7 +57,7 @@ def write_report(result: GateResult, reports_dir: Path,
     report (``gates``: every gate file, whose tiers' family-wise rates the summary states)."""
     reports_dir.mkdir(parents=True, exist_ok=True)
     path = reports_dir / f"{result.gate}.json"
-    path.write_text(json.dumps(asdict(result), indent=1, sort_keys=True) + "\n")
+    atomic_write_text(path, json.dumps(asdict(result), indent=1, sort_keys=True) + "\n")
     write_summary(reports_dir, gates)
     return path
 
@@ -82,7 +83,7 @@ def render(reports_dir: Path, gates: Mapping[str, GateFile], store: ReferenceSto
         except ValueError as e:
             left.append(str(e))
             continue
-        path.write_text(json.dumps(asdict(new), indent=1, sort_keys=True) + "\n")
+        atomic_write_text(path, json.dumps(asdict(new), indent=1, sort_keys=True) + "\n")
         done.append(result.gate)
     write_summary(reports_dir, gates)
     return done, left
@@ -213,8 +214,8 @@ def write_summary(reports_dir: Path, gates: Mapping[str, GateFile] | None = None
             check_rows.append(_check_row(r, c, rc))
     tiers = _tier_rows(results, gates)
     out = reports_dir / "summary.md"
-    out.write_text(
-        "# Gates: latest results\n\nWritten by `certify gates run` from `reports/gates/<gate>.json`; "
+    atomic_write_text(
+        out, "# Gates: latest results\n\nWritten by `certify gates run` from `reports/gates/<gate>.json`; "
         "`certify gates render` re-judges the stored per-sample scores under the current statistics "
         "without running the engine.\n\n" + _HOW + "\n"
         + (_V1 + "\n" if any(r.statistics < 2 for r in results) else "") + _REPEAT + "\n## Tiers\n\n"

@@ -331,7 +331,8 @@ def test_a_gate_job_that_raises_fails_alone(tmp_path):
 
 def test_the_command_runs_gates_in_jobs_and_saves_every_reference(tmp_path):
     """``certify gates run --jobs 2`` in a project of the fake target: a recording run exits 0 and
-    saves the references of every job; the next run passes every gate; --jobs 0 is refused."""
+    saves the references of every job; the next run passes every gate and writes its reports under
+    runs/gates/, the committed reports/gates/ only with --update-reports; --jobs 0 is refused."""
     (tmp_path / "pyproject.toml").write_text(
         f'[tool.certify]\ngate_target = "{FakeTarget.__module__}:FakeTarget"\n')
     gates = tmp_path / "certify" / "gates"
@@ -352,6 +353,11 @@ def test_the_command_runs_gates_in_jobs_and_saves_every_reference(tmp_path):
     assert sorted(p.name for p in (gates / "references").glob("*.yaml")) == ["easy.yaml", "hard.yaml"]
     second = certify("--jobs", "2", "a", "b", "c")
     assert second.returncode == 0 and second.stdout.count("PASSED") == 3, second.stdout
+    # a plain run leaves the committed reports alone: its costs and date are this machine's
+    assert "| `c` | premerge | passed |" in (tmp_path / "runs/gates/summary.md").read_text()
+    assert not (tmp_path / "reports/gates").exists()
+    third = certify("--update-reports", "c")
+    assert third.returncode == 0, third.stdout + third.stderr
     assert "| `c` | premerge | passed |" in (tmp_path / "reports/gates/summary.md").read_text()
     refused = certify("--jobs", "0", "a")
     assert refused.returncode == 1 and "--jobs must be at least 1" in refused.stderr
