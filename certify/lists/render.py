@@ -119,7 +119,8 @@ def sweep(inp: Inputs, fractions=(1.0, 0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3, 0.2, 0
     """The pre-merge list as its budget shrinks: cost, risk covered, guards kept, what moved out."""
     full = inp.budgets.tiers["premerge"].budget
     rows, prev = [], None
-    items = build_items(inp.records, inp.durations, inp.budgets, inp.reach, inp.ops)
+    items = build_items(inp.records, inp.durations, inp.budgets, inp.reach, inp.ops,
+                        inp.gate_seconds)
     for fr in fractions:
         sel = select(items, inp.budgets, inp.reach, budget_premerge=full * fr)
         tr = sel.tiers["premerge"]
@@ -226,7 +227,7 @@ def report_svg(sel: Selection, b: Budgets) -> str:
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" '
            f'font-family="sans-serif" font-size="12">',
            '<text x="10" y="20" font-weight="bold">cost against budget (blue), share of all risk '
-           f'covered (green)</text>']
+           'covered (green)</text>']
     span = w - left - 90
     for k, tier in enumerate(TIERS):
         tr = sel.tiers[tier]

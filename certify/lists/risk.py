@@ -73,8 +73,11 @@ def reach_index(reach: dict | None) -> dict[tuple[str, str], dict[str, set[str]]
 
 
 def build_items(records: list[dict], durations: dict[str, float], b: Budgets, reach: dict | None,
-                ops: list[str]) -> list[Item]:
-    """Items with cost (measured or estimated) and features; risk is set by ``_score``."""
+                ops: list[str], gate_seconds: dict[str, float] | None = None) -> list[Item]:
+    """Items with cost (measured or estimated) and features; risk is set by ``_score``. An item's
+    cost is its measured duration; a gate item without one takes its last ``certify gates run``
+    cost (``gate_seconds``, by gate name) when there is one, else the budgets' estimate."""
+    gate_seconds = gate_seconds or {}
     reached = reach_index(reach)
     r = b.risk
     weights: dict[str, float] = {}
@@ -90,6 +93,8 @@ def build_items(records: list[dict], durations: dict[str, float], b: Budgets, re
             arch = b.conditions.gate_archs[0]
         if rec["id"] in durations:
             cost, measured = durations[rec["id"]], True
+        elif kind == "gate" and gate_seconds.get(rec["gate"]["name"]):
+            cost, measured = gate_seconds[rec["gate"]["name"]], True
         elif kind == "gate":
             cost, measured = gate_cost(rec["gate"], b), False
         else:

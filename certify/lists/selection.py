@@ -9,7 +9,8 @@ import os
 import sys
 import time
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -199,6 +200,7 @@ class Inputs:
     durations: dict[str, float]
     reach: dict | None
     ops: list[str]
+    gate_seconds: dict[str, float] = field(default_factory=dict)   # last measured, by gate name
 
 
 def load_inputs(paths) -> Inputs:
@@ -212,9 +214,25 @@ def load_inputs(paths) -> Inputs:
     durations = load_durations(paths.lists / "durations.json")
     reach = json.loads(read_utf8(paths.reach)) if paths.reach.is_file() else None
     ops = sorted(p.stem for p in paths.cells.glob("*.yaml"))
-    return Inputs(b, records, durations, reach, ops)
+    return Inputs(b, records, durations, reach, ops, gate_report_seconds(Path(paths.reports) / "gates"))
+
+
+def gate_report_seconds(gates_dir: Path) -> dict[str, float]:
+    """Each gate's cost as its committed report measured it (``certify gates run
+    --update-reports``), by gate name; skipped runs and unreadable reports give none."""
+    out = {}
+    for p in sorted(gates_dir.glob("*.json")) if gates_dir.is_dir() else []:
+        try:
+            r = json.loads(read_utf8(p))
+        except (OSError, ValueError):
+            continue
+        if isinstance(r, dict) and r.get("status") not in (None, "skipped") and r.get("gate") \
+                and float(r.get("seconds") or 0) > 0:
+            out[r["gate"]] = float(r["seconds"])
+    return out
 
 
 def generate(inp: Inputs, budget_premerge: float | None = None) -> Selection:
-    items = build_items(inp.records, inp.durations, inp.budgets, inp.reach, inp.ops)
+    items = build_items(inp.records, inp.durations, inp.budgets, inp.reach, inp.ops,
+                        inp.gate_seconds)
     return select(items, inp.budgets, inp.reach, budget_premerge)

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from certify.budgets import BudgetsError, load_budgets
-from certify.lists import generate, items_text, list_tiers, load_inputs, render_all, sweep
+from certify.lists import build_items, generate, items_text, list_tiers, load_inputs, render_all, sweep
 from certify.paths import project_paths
 from certify.pytest_plugin import UNIVERSE
 
@@ -156,3 +156,26 @@ def test_budgets_errors_name_file_line_and_field(tmp_path, text, line, field):
         load_budgets(p)
     assert (e.value.line, e.value.field) == (line, field), str(e.value)
     assert str(p) in str(e.value)
+
+
+def test_a_gate_without_a_pytest_duration_takes_its_reports_measured_cost(inp, tmp_path):
+    """The lists cost a gate by its last committed `certify gates run` report, not the estimate."""
+    import json
+
+    from certify.lists.selection import gate_report_seconds
+
+    gate = next(r for r in inp.records if "gate" in r and r["id"] not in inp.durations)
+    name = gate["gate"]["name"]
+    (tmp_path / f"{name}.json").write_text(json.dumps({"gate": name, "status": "passed",
+                                                       "seconds": 1234.5}))
+    (tmp_path / "skipped.json").write_text(json.dumps({"gate": "other", "status": "skipped",
+                                                       "seconds": 3.0}))
+    (tmp_path / "broken.json").write_text("{")
+    seconds = gate_report_seconds(tmp_path)
+    assert seconds == {name: 1234.5}
+    items = {i.id: i for i in build_items(inp.records, inp.durations, inp.budgets, inp.reach,
+                                          inp.ops, seconds)}
+    assert items[gate["id"]].cost == 1234.5 and items[gate["id"]].measured
+    estimated = {i.id: i for i in build_items(inp.records, inp.durations, inp.budgets, inp.reach,
+                                              inp.ops)}
+    assert not estimated[gate["id"]].measured
