@@ -19,7 +19,7 @@ from certify.reach import load_reach, load_tracer, reach_text, run_trace
 from certify.reach_claims import catalog_findings, reach_findings
 from certify.plan import targets
 from certify.receipts import load_receipts, prune_receipts
-from certify.report import build_rows, report_extras, terminal_report, write_reports
+from certify.report import project_rows, report_extras, terminal_report, write_reports
 from certify.runner import run_targets, select
 from certify.scenarios import ScenarioError, load_scenarios
 from certify.schema import TIERS, OpFile
@@ -65,7 +65,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
         for r in prune_receipts(paths.receipts, live):
             print(f"dropped the receipt of a target that no longer exists: {r.arch} {r.op} "
                   f"{r.variant} {r.cell}", file=sys.stderr)
-    rows = build_rows(catalog, load_receipts(paths.receipts))
+    rows = project_rows(paths, catalog)
     extras = report_extras(paths.extras)
     reach = load_reach(paths.reach)
     print(terminal_report(catalog, rows, reach, matrix=args.matrix))

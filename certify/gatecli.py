@@ -153,11 +153,27 @@ def _cmd_render(args: argparse.Namespace) -> int:
 
 
 def _cmd_list(args: argparse.Namespace) -> int:
+    """Every gate: the generated list that runs it (its declared tier beside it where the lists
+    moved it), its checks and its last measured cost."""
+    from certify.lists.records import list_tiers  # noqa: PLC0415
+
     settings = gate_settings()
     loaded = load_gates(settings.gates)
-    for name, g in sorted(loaded.gates.items(), key=lambda kv: (TIERS.index(kv[1].tier), kv[0])):
+    paths = project_paths()
+    listed = list_tiers(paths.lists) or {}
+    gates_dir = Path(settings.gates)
+    rel = gates_dir.relative_to(paths.root).as_posix() if gates_dir.is_relative_to(paths.root) \
+        else gates_dir.as_posix()
+
+    def runs_in(name: str, g) -> str:
+        return listed.get(f"{rel}/{name}.yaml::{name}", g.tier)
+
+    for name, g in sorted(loaded.gates.items(),
+                          key=lambda kv: (TIERS.index(runs_in(*kv)), kv[0])):
         checks = ", ".join(f"{c.kind}:{c.task}" for c in g.checks)
-        print(f"{g.tier:<10} {name:<28} {checks}  [{_last_cost(settings, name)}]")
+        tier = runs_in(name, g)
+        moved = f" (declared {g.tier})" if tier != g.tier else ""
+        print(f"{tier:<10} {name:<28} {checks}  [{_last_cost(settings, name)}]{moved}")
     for e in loaded.errors:
         print(f"error: {e}")
     return 1 if loaded.errors else 0
@@ -198,7 +214,8 @@ def add_parser(sub) -> None:
     rd = gsub.add_parser("render", help="re-judge every report from its stored per-sample scores "
                                         "under the current statistics (no engine run)")
     rd.set_defaults(fn=_cmd_render)
-    ls = gsub.add_parser("list", help="every gate with its tier, checks and last measured cost")
+    ls = gsub.add_parser("list", help="every gate with the list that runs it, its checks and its "
+                                      "last measured cost")
     ls.set_defaults(fn=_cmd_list)
     k = gsub.add_parser("check", help="load every gate and reference file; errors name the line")
     k.set_defaults(fn=_cmd_check)

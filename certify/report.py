@@ -8,7 +8,7 @@ both the terminal report and coverage.md is what the forward reaches that nothin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tabulate import tabulate
@@ -77,8 +77,24 @@ def _oracle_text(op: OpFile, cell_id: str) -> str:
     return f"tol: {bands}"
 
 
-def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Receipt]]) -> list[Row]:
+def list_tier_text(declared: str, by_arch: dict[str, str]) -> str:
+    """The list that runs a (variant, cell): one tier, or each tier with its archs where the lists
+    split it by arch (e.g. pre-merge on the CPU, post-merge on the GPU)."""
+    tiers = {t: [a for a in by_arch if by_arch[a] == t] for t in dict.fromkeys(by_arch.values())}
+    if not tiers:
+        return declared
+    if len(tiers) == 1:
+        return next(iter(tiers))
+    return "; ".join(f"{t} ({', '.join(archs)})" for t, archs in tiers.items())
+
+
+def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Receipt]],
+               listed: dict[str, str] | None = None, cells_dir: str = "certify/cells") -> list[Row]:
+    """One row per (op, variant, cell). Its tier is the generated list that runs it (``listed``:
+    item id -> tier, from the lists; ``cells_dir`` is the cell files' folder as item ids name it),
+    else the cell's declared tier."""
     rows: dict[tuple[str, str, str], Row] = {}
+    by_arch: dict[tuple[str, str, str], dict[str, str]] = {}
     for name in sorted(catalog.ops):
         op = catalog.ops[name]
         for t in targets(op):
@@ -86,12 +102,28 @@ def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Rec
             if key not in rows:
                 rows[key] = Row(name, t.variant.name, t.cell.id, t.cell.tier,
                                 _oracle_text(op, t.cell.id), {}, {}, {})
+            if listed is not None:
+                item = f"{cells_dir}/{name}.yaml::{t.variant.name}[{t.cell.id}-{t.arch}]"
+                by_arch.setdefault(key, {})[t.arch] = listed.get(item, t.cell.tier)
             r = books.get(t.arch, {}).get(key)
             rows[key].status[t.arch] = freshness(r, op, t.variant.name, t.cell, t.arch)
             rows[key].measured[t.arch] = _measured(r, op, t.cell.id)
             if r is not None:
                 rows[key].receipts[t.arch] = r
+    for key, tiers in by_arch.items():
+        rows[key] = replace(rows[key], tier=list_tier_text(rows[key].tier, tiers))
     return list(rows.values())
+
+
+def project_rows(paths, catalog: Catalog) -> list[Row]:
+    """The rows as ``certify report`` writes them: the project's receipts, tiers from its lists."""
+    from certify.lists.records import list_tiers  # noqa: PLC0415
+    from certify.receipts import load_receipts  # noqa: PLC0415
+
+    cells = Path(paths.cells)
+    root = Path(paths.root)
+    cells_dir = cells.relative_to(root).as_posix() if cells.is_relative_to(root) else "certify/cells"
+    return build_rows(catalog, load_receipts(paths.receipts), list_tiers(paths.lists), cells_dir)
 
 
 def _status_cell(row: Row, arch: str) -> str:
@@ -162,7 +194,7 @@ def terminal_report(catalog: Catalog, rows: list[Row], reach: ReachFile | None =
     out.append(terminal_gaps(reach, findings_of(catalog, reach)))
     if matrix:
         out += ["", tabulate([[r.op, r.variant, r.cell, r.tier, *[_status_cell(r, a) for a in archs]]
-                              for r in rows], headers=["op", "variant", "cell", "tier", *archs],
+                              for r in rows], headers=["op", "variant", "cell", "list", *archs],
                              tablefmt="simple")]
     else:
         out += ["", "every (variant, cell) row: reports/coverage.md, \"Matrix\" "
@@ -192,7 +224,7 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
                              ", ".join(_attention_text(catalog, r, a, s) for a, s in r.status.items()
                                        if s != "certified")]
                             for r in attention],
-                           headers=["op", "variant", "cell", "tier", "not certified"],
+                           headers=["op", "variant", "cell", "list", "not certified"],
                            tablefmt="github"))
     if not attention and not catalog.errors:
         md.append("Nothing: every listed (variant, cell, arch) is certified.")
@@ -210,7 +242,7 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
         md += [f"### [{name}](ops/{name}.md)", "", catalog.ops[name].summary, "",
                tabulate([[r.variant, r.cell, r.tier, r.oracle, *[_status_cell(r, a) for a in archs]]
                          for r in op_rows],
-                        headers=["variant", "cell", "tier", "oracle", *archs], tablefmt="github"),
+                        headers=["variant", "cell", "list", "oracle", *archs], tablefmt="github"),
                ""]
     return "\n".join(md)
 

@@ -621,3 +621,15 @@ def test_the_platform_records_the_capability_torch_dispatched_to():
     assert p["cpu_capability"] == "DEFAULT"
     assert p["settings"]["ATEN_CPU_CAPABILITY"] == "default"
     assert p["settings"]["ONEDNN_MAX_CPU_ISA"] == "SSE41"
+
+
+def test_gates_list_shows_the_list_that_runs_each_gate():
+    from certify.lists import list_tiers
+    listed = list_tiers(ROOT / "test_lists")
+    out = subprocess.run([sys.executable, "-m", "certify.cli", "gates", "list"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    lines = [ln.split() for ln in out.stdout.splitlines() if ln.strip()]
+    assert len(lines) == len(list((ROOT / "certify" / "gates").glob("*.yaml")))
+    for tier, name, *_ in lines:
+        assert tier == listed[f"certify/gates/{name}.yaml::{name}"], (tier, name)

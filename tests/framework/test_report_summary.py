@@ -33,3 +33,21 @@ def test_a_certified_cell_shows_its_nearest_output_against_its_band():
     assert _measured(near_a, op, cell.id) == f"{0.9 * band_a:.2f}/{band_a:g} ulp {a}"
     assert _measured(near_b, op, cell.id) == f"{0.9 * band_b:.2f}/{band_b:g} ulp {b}"
     assert _measured(SimpleNamespace(metrics={"x.mismatches": 0.0})) == "bitwise"
+
+
+def test_the_list_column_names_the_list_that_runs_each_arch():
+    from certify.report import list_tier_text
+    assert list_tier_text("premerge", {"cpu": "premerge", "sm_90": "premerge"}) == "premerge"
+    assert list_tier_text("premerge", {"cpu": "premerge", "cpu-interpret": "premerge",
+                                       "sm_90": "postmerge"}) == \
+        "premerge (cpu, cpu-interpret); postmerge (sm_90)"
+    assert list_tier_text("ondemand", {}) == "ondemand"
+
+
+def test_the_matrix_rows_take_their_tier_from_the_generated_lists():
+    from certify.report import project_rows
+    paths = project_paths()
+    rows = project_rows(paths, load_catalog(paths.cells))
+    split = [r for r in rows if ";" in r.tier]
+    assert split, "no (variant, cell) runs in two lists: the lists' tiers did not reach the rows"
+    assert all("(sm_90)" in r.tier or "sm_90" in r.tier for r in split)
