@@ -1,5 +1,9 @@
-"""Triton kernel of the GDN decode and verify steps: gates + l2norm + recurrence + gated RMSNorm in one
-launch, one program per (request, value head) holding the whole [K, V] state in registers.
+"""Triton kernels of the GDN decode and verify steps, two variants (their names in the cell files):
+
+- ``triton_fused`` (``gdn_decode``, ``gdn_verify``): gates + l2norm + recurrence + gated RMSNorm in
+  one launch, one program per (request, value head) holding the whole [K, V] state in registers;
+- ``triton_split`` (``gdn_decode_split``, ``gdn_verify_split``): the state split into tiles of 32
+  value columns, one program each, then the gated norm as a second launch.
 
 - decode (one row a request): reads the pool row at ``slots[b]`` and writes it back in place;
 - verify (T rows a request): reads the pool, never writes it, and records the state after every row
@@ -106,7 +110,7 @@ def gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, o
             True)
 
 
-# ---------------------------------------------------------------- split-V streaming variant
+# ---------------------------------------------------------------- variant triton_split
 #
 # The delta rule couples the state's columns only through the gated norm: column v of S needs k, q,
 # beta, g and v[v] alone. So the state can be split into V tiles, one program each, which keeps a
@@ -179,12 +183,14 @@ def _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, o
 
 
 def gdn_decode_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out) -> None:
-    """Split-V decode: state tiles of 32 columns a program, then the gated norm in a second launch."""
+    """Variant ``triton_split`` of gdn_decode: state tiles of 32 columns a program, then the gated
+    norm in a second launch."""
     _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, state_pool, 1,
                   False)
 
 
 def gdn_verify_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out,
                      states) -> None:
+    """Variant ``triton_split`` of gdn_verify."""
     _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, states,
                   q.shape[1], True)
