@@ -19,7 +19,8 @@ from certify.reach import load_reach, load_tracer, reach_text, run_trace
 from certify.reach_claims import catalog_findings, reach_findings
 from certify.plan import targets
 from certify.receipts import load_receipts, prune_receipts
-from certify.report import project_rows, report_extras, terminal_report, write_reports
+from certify.report import (project_guards, project_rows, report_extras, terminal_report,
+                            write_reports)
 from certify.runner import run_targets, select
 from certify.scenarios import ScenarioError, load_scenarios
 from certify.schema import TIERS, OpFile
@@ -71,7 +72,7 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(terminal_report(catalog, rows, reach, matrix=args.matrix))
     if extras:
         print("\n" + "\n".join(extras))
-    written = write_reports(paths.reports, catalog, rows, extras, reach)
+    written = write_reports(paths.reports, catalog, rows, extras, reach, project_guards(paths))
     shown = (paths.reports.relative_to(paths.root) if paths.reports.is_relative_to(paths.root)
              else paths.reports)
     print(f"\n{did}; wrote {len(written)} report file(s) under {shown}/")

@@ -247,8 +247,42 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
     return "\n".join(md)
 
 
+def project_guards(paths) -> dict[str, list[tuple[str, str, str]]]:
+    """op -> (test id, ``guard`` or ``property``, the list that runs it) for every test whose
+    certify_guard / certify_property marker names the op, from the lists' item universe."""
+    from certify.lists.records import list_tiers, load_items  # noqa: PLC0415
+
+    items_file = Path(paths.lists) / "items.json"
+    if not items_file.is_file():
+        return {}
+    listed = list_tiers(paths.lists) or {}
+    out: dict[str, list[tuple[str, str, str]]] = {}
+    for rec in load_items(items_file):
+        for kind, key in (("guard", "guards"), ("property", "properties")):
+            for op in rec.get(key, ()):
+                out.setdefault(op, []).append((rec["id"], kind, listed.get(rec["id"], rec["tier"])))
+    return {op: sorted(v) for op, v in out.items()}
+
+
+def _guards_markdown(op: OpFile, guards: dict[str, list[tuple[str, str, str]]] | None) -> list[str]:
+    if guards is None:
+        return []
+    md = ["## Tests that guard it", ""]
+    mine = guards.get(op.op, [])
+    if mine:
+        md.append(tabulate([[f"`{i}`", kind, tier] for i, kind, tier in mine],
+                           headers=["test", "kind", "list"], tablefmt="github"))
+    else:
+        md.append("No test names this op in a certify_guard or certify_property marker: only its "
+                  "cells above check it.")
+    return md + [""]
+
+
 def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
-                findings: list[Finding] | None = None) -> str:
+                findings: list[Finding] | None = None,
+                guards: dict[str, list[tuple[str, str, str]]] | None = None) -> str:
+    """The op's note: spec, variants, cells, reach, bands, status per arch, the tests that guard it,
+    what stays certified and what is not."""
     archs = [a for a in ARCH_ORDER if any(a in v.archs for v in op.variants)]
     md = [f"# {op.op}", "", op.summary, "",
           f"- spec: `{op.spec}`", f"- inputs: `{op.inputs}`", ""]
@@ -274,6 +308,7 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
     md += ["## Status", "", tabulate(
         [[r.variant, r.cell, *[_status_cell(r, a) for a in archs]] for r in rows],
         headers=["variant", "cell", *archs], tablefmt="github"), ""]
+    md += _guards_markdown(op, guards)
     certified, not_certified = [], []
     for r in rows:
         for arch, s in r.status.items():
@@ -307,21 +342,24 @@ def report_extras(spec: str | None) -> list[str]:
 
 
 def render_all(catalog: Catalog, rows: list[Row], extras: list[str],
-               reach: ReachFile | None = None) -> dict[str, str]:
+               reach: ReachFile | None = None,
+               guards: dict[str, list[tuple[str, str, str]]] | None = None) -> dict[str, str]:
     """Relative path -> content of every generated report (for staleness checks)."""
     findings = findings_of(catalog, reach)
     out = {"coverage.md": coverage_markdown(catalog, rows, extras, reach) + "\n"}
     for name, op in sorted(catalog.ops.items()):
-        out[f"ops/{name}.md"] = op_markdown(op, [r for r in rows if r.op == name], reach, findings)
+        out[f"ops/{name}.md"] = op_markdown(op, [r for r in rows if r.op == name], reach, findings,
+                                            guards)
     return out
 
 
 def write_reports(reports_dir: Path, catalog: Catalog, rows: list[Row], extras: list[str],
-                  reach: ReachFile | None = None) -> list[Path]:
+                  reach: ReachFile | None = None,
+                  guards: dict[str, list[tuple[str, str, str]]] | None = None) -> list[Path]:
     """Write every generated report and remove op notes of ops that no longer exist: each file
     atomically, the whole set under the reports directory's lock (``certify.atomic``)."""
     reports_dir = Path(reports_dir)
-    rendered = render_all(catalog, rows, extras, reach)
+    rendered = render_all(catalog, rows, extras, reach, guards)
     with locked(reports_dir):
         for rel, text in rendered.items():
             atomic_write_text(reports_dir / rel, text)

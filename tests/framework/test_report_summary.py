@@ -51,3 +51,17 @@ def test_the_matrix_rows_take_their_tier_from_the_generated_lists():
     split = [r for r in rows if ";" in r.tier]
     assert split, "no (variant, cell) runs in two lists: the lists' tiers did not reach the rows"
     assert all("(sm_90)" in r.tier or "sm_90" in r.tier for r in split)
+
+
+def test_an_op_note_names_the_tests_that_guard_it():
+    from certify.report import op_markdown, project_guards
+    paths = project_paths()
+    guards = project_guards(paths)
+    catalog = load_catalog(paths.cells)
+    assert guards.get("moe"), "no guard or property test of moe in the item universe"
+    note = op_markdown(catalog.ops["moe"], [], guards=guards)
+    section = note.split("## Tests that guard it", 1)[1].split("\n## ", 1)[0]
+    for test_id, _, _ in guards["moe"]:
+        assert f"`{test_id}`" in section
+    bare = op_markdown(catalog.ops["moe"], [], guards={})
+    assert "only its cells above check it" in bare
