@@ -196,7 +196,8 @@ def add_parser(sub) -> None:
     gsub = g.add_subparsers(dest="gates_cmd", required=True)
     r = gsub.add_parser("run", help="run gates by name or tier, print and write their reports")
     r.add_argument("names", nargs="*", help="gate names (default: every gate of the --tier)")
-    r.add_argument("--tier", action="append", choices=TIERS)
+    r.add_argument("--tier", action="append", choices=TIERS,
+                   help="run every gate of this tier (repeatable; with names: only those of it)")
     r.add_argument("--record", action="store_true",
                    help="write a reference for every configuration run that has none")
     r.add_argument("--overwrite", action="store_true", help="with --record: replace existing ones")
