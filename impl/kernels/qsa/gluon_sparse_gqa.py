@@ -4,7 +4,7 @@ Same contract, split-K scheme, combine kernel and numerics as ``triton_sparse_gq
 what changes is where a dequantised element goes. In the Triton kernel every K and V element, once
 decoded to fp16 in registers, is written to shared memory and read back by ldmatrix in the tensor-core
 operand layout: at 128 rows x 2048 keys that round trip kept the L1 / shared-memory pipe 69 % busy and
-the kernel latency-bound (161 us against 143 us for bf16 pages, docs/gpu.md). Here the packed bytes
+the kernel latency-bound (161 us against 143 us for bf16 pages, reports/bench/gpu-notes.md). Here the packed bytes
 are loaded in a layout chosen so that the decoder's output registers already are the mma.sync operand
 fragments, and no decoded element touches shared memory:
 

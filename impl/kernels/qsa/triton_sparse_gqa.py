@@ -170,7 +170,7 @@ def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
     # int32 loop bounds and token offsets (W < 2^31 / BLOCK_N), widened to int64 by row * W below:
     # with an int64 induction variable, the loop body of an earlier revision (tokens, then pages,
     # loaded in the loop) made triton 3.6's remove-layout-conversions pass emit an invalid
-    # arith.select (docs/gpu.md). No branch in the body (a tile of padding reads nothing through its
+    # arith.select (docs/gpu.md, "Limits"). No branch in the body (a tile of padding reads nothing through its
     # masks), so the software pipeliner can take the loop.
     first = tl.program_id(2) * tiles_per_split
     for t in tl.range(first, first + tiles_per_split, num_stages=STAGES):
@@ -247,7 +247,7 @@ def _nvfp4_group_pad(g: int) -> int:
 
 
 # Decode launch shape per page format on a GPU: (tokens a tile, warps, pipeline stages, programs per
-# SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, docs/gpu.md).
+# SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, reports/bench/gpu-notes.md).
 _DECODE_SHAPE = {FMT_BF16: (32, 2, 3, 2), FMT_FP8: (64, 2, 2, 2), FMT_NVFP4: (32, 2, 2, 2)}
 
 
