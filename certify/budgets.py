@@ -1,18 +1,18 @@
 """The budgets file (``[tool.certify] budgets``): each tier's cost budget and shard count, the cost
 estimates for items without a measurement, and the risk weights of the features items exercise.
 
-Loaded with line numbers: a problem is reported as file, line and field (``BudgetsError``), like the
+Loaded with line numbers: a problem is reported as file, line and field (``FileProblem``), like the
 cell and gate files. ``certify lists`` reads it; see ``certify.lists`` for how the numbers are used.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from certify.fileproblem import FileProblem
 from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 
 UNIT_SECONDS = {"cpu_seconds": 1.0, "seconds": 1.0, "gpu_minutes": 60.0, "minutes": 60.0}
@@ -107,33 +107,22 @@ class Budgets(_Strict):
         return self
 
 
-@dataclass(frozen=True)
-class BudgetsError(Exception):
-    file: Path
-    line: int
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
-
-
 def load_budgets(path: Path) -> Budgets:
     path = Path(path)
     if not path.is_file():
-        raise BudgetsError(path, 1, "(file)", "no budgets file")
+        raise FileProblem(path, 1, "(file)", "no budgets file")
     try:
         data, lines = load_mapping(path)
     except YamlProblem as e:
-        raise BudgetsError(path, e.line, e.field, e.message) from None
+        raise FileProblem(path, e.line, e.field, e.message) from None
     try:
         return Budgets.model_validate(data)
     except ValidationError as e:
         line, field, msg = first_problem(e, lines)
-        raise BudgetsError(path, line, field, msg) from None
+        raise FileProblem(path, line, field, msg) from None
 
 
-def pin_errors(path: Path, budgets: Budgets, item_ids: set[str]) -> list[BudgetsError]:
+def pin_errors(path: Path, budgets: Budgets, item_ids: set[str]) -> list[FileProblem]:
     """A pinned item that matches no item of the universe (a typo, a renamed or removed test) is an
     error naming the line of the pin: left alone, it would pin nothing and say so nowhere."""
     path = Path(path)
@@ -143,7 +132,7 @@ def pin_errors(path: Path, budgets: Budgets, item_ids: set[str]) -> list[Budgets
         for item_id in pins:
             if item_id not in item_ids:
                 loc = ("pinned", tier, item_id)
-                out.append(BudgetsError(path, locate(loc, lines), field_name(loc),
+                out.append(FileProblem(path, locate(loc, lines), field_name(loc),
                                         "pins no test: no item of the item universe (items.json "
                                         "of the lists folder) has this id (`certify lists "
                                         "--collect` re-collects it after a test is added)"))

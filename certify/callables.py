@@ -11,7 +11,8 @@ from __future__ import annotations
 import importlib
 from functools import lru_cache
 
-from certify.catalog import Catalog, CatalogError
+from certify.catalog import Catalog
+from certify.fileproblem import FileProblem
 from certify.yamlfile import YamlProblem, field_name, load_mapping, locate
 
 
@@ -42,9 +43,9 @@ def resolve_problem(dotted: str) -> str | None:
     return None
 
 
-def callable_errors(catalog: Catalog) -> list[CatalogError]:
+def callable_errors(catalog: Catalog) -> list[FileProblem]:
     """Every spec, inputs and variant impl path of the loaded ops that does not resolve."""
-    out: list[CatalogError] = []
+    out: list[FileProblem] = []
     for name, op in sorted(catalog.ops.items()):
         path = catalog.files[name]
         try:
@@ -57,6 +58,6 @@ def callable_errors(catalog: Catalog) -> list[CatalogError]:
         for loc, dotted in fields:
             problem = resolve_problem(dotted)
             if problem:
-                out.append(CatalogError(path, locate(loc, lines), field_name(loc),
+                out.append(FileProblem(path, locate(loc, lines), field_name(loc),
                                         f"{dotted} does not resolve: {problem}"))
     return out

@@ -10,28 +10,18 @@ from typing import Any, Iterator
 
 from pydantic import ValidationError
 
+from certify.fileproblem import FileProblem
 from certify.plan import variants_of_cell
 from certify.rules import evaluate, rule_names
 from certify.schema import OpFile
 from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 
 
-@dataclass(frozen=True)
-class CatalogError(Exception):
-    file: Path
-    line: int
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
-
-
 @dataclass
 class Catalog:
     ops: dict[str, OpFile] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
-    errors: list[CatalogError] = field(default_factory=list)
+    errors: list[FileProblem] = field(default_factory=list)
 
 
 def _domain_points(op: OpFile, names: set[str]) -> Iterator[dict[str, Any]]:
@@ -113,23 +103,23 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
 
 
 def load_op_file(path: Path) -> OpFile:
-    """Load and validate one cell file; raise CatalogError (file, line, field) on the first problem."""
+    """Load and validate one cell file; raise FileProblem (file, line, field) on the first problem."""
     path = Path(path)
     try:
         data, lines = load_mapping(path)
     except YamlProblem as p:
-        raise CatalogError(path, p.line, p.field, p.message) from None
+        raise FileProblem(path, p.line, p.field, p.message) from None
     try:
         op = OpFile.model_validate(data)
     except ValidationError as e:
-        raise CatalogError(path, *first_problem(e, lines)) from None
+        raise FileProblem(path, *first_problem(e, lines)) from None
     if op.op != path.stem:
-        raise CatalogError(path, locate(("op",), lines), "op",
+        raise FileProblem(path, locate(("op",), lines), "op",
                            f"op {op.op!r} must match the file name {path.stem!r}")
     problem = _cross_check(op)
     if problem:
         loc, msg = problem
-        raise CatalogError(path, locate(loc, lines), field_name(loc), msg)
+        raise FileProblem(path, locate(loc, lines), field_name(loc), msg)
     return op
 
 
@@ -138,7 +128,7 @@ def load_catalog(cells_dir: Path) -> Catalog:
     for path in sorted(Path(cells_dir).glob("*.yaml")):
         try:
             op = load_op_file(path)
-        except CatalogError as e:
+        except FileProblem as e:
             cat.errors.append(e)
             continue
         cat.ops[op.op] = op

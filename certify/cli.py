@@ -22,7 +22,8 @@ from certify.receipts import load_receipts, prune_receipts
 from certify.report import (project_guards, project_rows, report_extras, terminal_report,
                             write_reports)
 from certify.runner import run_targets, select
-from certify.scenarios import ScenarioError, load_scenarios
+from certify.fileproblem import FileProblem
+from certify.scenarios import load_scenarios
 from certify.schema import TIERS, OpFile
 
 
@@ -139,7 +140,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     """Load every input the framework reads and print each problem as file, line and field: the cell
     files (their rules evaluated on every cell and over the axis domains, their spec, inputs and impl
     paths imported), the scenarios, the budgets file and its pins, and the receipts files."""
-    from certify.budgets import BudgetsError, load_budgets, pin_errors  # noqa: PLC0415
+    from certify.budgets import load_budgets, pin_errors  # noqa: PLC0415
     from certify.callables import callable_errors  # noqa: PLC0415
     from certify.lists import load_items  # noqa: PLC0415
     from certify.utf8 import NotUtf8Error  # noqa: PLC0415
@@ -158,7 +159,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
         try:
             n = len(load_scenarios(paths.scenarios, load_tracer(paths.tracer).scenario_model))
             print(f"{n} scenario(s) loaded from {paths.scenarios.relative_to(paths.root)}")
-        except ScenarioError as e:
+        except FileProblem as e:
             print(e)
             bad = True
     if paths.budgets.is_file():
@@ -167,7 +168,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
             budgets = load_budgets(paths.budgets)
             pins = pin_errors(paths.budgets, budgets, {r["id"] for r in load_items(items)}) \
                 if items.is_file() else []
-        except (BudgetsError, NotUtf8Error) as e:
+        except (FileProblem, NotUtf8Error) as e:
             print(e)
             bad = True
         else:
@@ -191,7 +192,6 @@ def _cmd_lists(args: argparse.Namespace) -> int:
     import time  # noqa: PLC0415
 
     from certify.atomic import atomic_write_text, locked_all  # noqa: PLC0415
-    from certify.budgets import BudgetsError  # noqa: PLC0415
     from certify.lists import explain, generate, load_inputs, render_all  # noqa: PLC0415
     from certify.utf8 import NotUtf8Error  # noqa: PLC0415
 
@@ -207,7 +207,7 @@ def _cmd_lists(args: argparse.Namespace) -> int:
         print(f"wrote {out.relative_to(paths.root)}")
     try:
         inp = load_inputs(paths)
-    except (BudgetsError, NotUtf8Error) as e:
+    except (FileProblem, NotUtf8Error) as e:
         print(f"error: {e}")
         return 1
     t0 = time.perf_counter()

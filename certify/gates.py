@@ -31,6 +31,7 @@ from typing import Any, Protocol
 import yaml
 from pydantic import ValidationError
 
+from certify.fileproblem import FileProblem
 from certify.gateschema import (
     AcceptanceCheck,
     GateFile,
@@ -126,17 +127,6 @@ def load_target(spec: str | None) -> GateTarget:
 # ------------------------------------------------------------------------------ gate files
 
 
-@dataclass(frozen=True)
-class GateError(Exception):
-    file: Path
-    line: int
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
-
-
 def _config_problem(err: Exception) -> tuple[tuple, str]:
     """(location inside the mapping, message) of a target's refusal of an engine mapping."""
     if isinstance(err, ValidationError):
@@ -180,24 +170,24 @@ def _cross_check(gate: GateFile, target: GateTarget | None) -> tuple[tuple, str]
 
 
 def load_gate_file(path: Path, target: GateTarget | None = None) -> GateFile:
-    """Load and validate one gate file (against the target when given); ``GateError`` on the first
+    """Load and validate one gate file (against the target when given); ``FileProblem`` on the first
     problem, naming file, line and field."""
     path = Path(path)
     try:
         data, lines = load_mapping(path)
     except YamlProblem as p:
-        raise GateError(path, p.line, p.field, p.message) from None
+        raise FileProblem(path, p.line, p.field, p.message) from None
     try:
         gate = GateFile.model_validate(data)
     except ValidationError as e:
-        raise GateError(path, *first_problem(e, lines)) from None
+        raise FileProblem(path, *first_problem(e, lines)) from None
     if gate.gate != path.stem:
-        raise GateError(path, locate(("gate",), lines), "gate",
+        raise FileProblem(path, locate(("gate",), lines), "gate",
                         f"gate {gate.gate!r} must match the file name {path.stem!r}")
     problem = _cross_check(gate, target)
     if problem:
         loc, msg = problem
-        raise GateError(path, locate(loc, lines), field_name(loc), msg)
+        raise FileProblem(path, locate(loc, lines), field_name(loc), msg)
     return gate
 
 
@@ -205,7 +195,7 @@ def load_gate_file(path: Path, target: GateTarget | None = None) -> GateFile:
 class Gates:
     gates: dict[str, GateFile] = field(default_factory=dict)
     files: dict[str, Path] = field(default_factory=dict)
-    errors: list[GateError] = field(default_factory=list)
+    errors: list[FileProblem] = field(default_factory=list)
 
 
 def load_gates(gates_dir: Path, target: GateTarget | None = None) -> Gates:
@@ -213,7 +203,7 @@ def load_gates(gates_dir: Path, target: GateTarget | None = None) -> Gates:
     for path in sorted(Path(gates_dir).glob("*.yaml")):
         try:
             gate = load_gate_file(path, target)
-        except GateError as e:
+        except FileProblem as e:
             out.errors.append(e)
             continue
         out.gates[gate.gate] = gate
@@ -263,20 +253,20 @@ class ReferenceStore:
     def __init__(self, directory: Path):
         self.dir = Path(directory)
         self.files: dict[str, ReferenceFile] = {}
-        self.errors: list[GateError] = []
+        self.errors: list[FileProblem] = []
         self._dirty: set[str] = set()
         for path in sorted(self.dir.glob("*.yaml")) if self.dir.is_dir() else []:
             try:
                 data, lines = load_mapping(path)
                 ref = ReferenceFile.model_validate(data)
             except YamlProblem as p:
-                self.errors.append(GateError(path, p.line, p.field, p.message))
+                self.errors.append(FileProblem(path, p.line, p.field, p.message))
                 continue
             except ValidationError as e:
-                self.errors.append(GateError(path, *first_problem(e, lines)))
+                self.errors.append(FileProblem(path, *first_problem(e, lines)))
                 continue
             if ref.eval_set != path.stem:
-                self.errors.append(GateError(path, locate(("eval_set",), lines), "eval_set",
+                self.errors.append(FileProblem(path, locate(("eval_set",), lines), "eval_set",
                                              f"{ref.eval_set!r} must match the file name"))
                 continue
             problems = [(i, p) for i, r in enumerate(ref.references)
@@ -285,7 +275,7 @@ class ReferenceStore:
                 i, (name, message) = problems[0]
                 loc = ("references", i, name)
                 more = len(problems) - 1
-                self.errors.append(GateError(path, locate(loc, lines), field_name(loc), message + (
+                self.errors.append(FileProblem(path, locate(loc, lines), field_name(loc), message + (
                     f" (and {more} more reference{'s' if more > 1 else ''} in this file)"
                     if more else "")))
                 continue
@@ -337,5 +327,5 @@ class ReferenceStore:
 
 
 __all__ = ["EvalSetInfo", "TaskResult", "GateTarget", "GateSettings", "gate_settings", "load_target",
-           "GateError", "load_gate_file", "Gates", "load_gates", "config_key", "reference_problem",
+           "FileProblem", "load_gate_file", "Gates", "load_gates", "config_key", "reference_problem",
            "ReferenceStore", "utc_now"]

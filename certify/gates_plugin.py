@@ -22,7 +22,7 @@ import pytest
 from certify.gatejudge import Family, tier_families
 from certify.gaterun import run_gate
 from certify.gates import (
-    GateError,
+    FileProblem,
     GateTarget,
     ReferenceStore,
     gate_settings,
@@ -63,14 +63,14 @@ class GateYaml(pytest.File):
         settings = _settings(str(self.config.rootpath))
         try:
             gate = load_gate_file(self.path, _target(settings.target))
-        except GateError as e:
+        except FileProblem as e:
             yield GateErrorItem.from_parent(self, name="load", error=e)
             return
         yield GateItem.from_parent(self, name=gate.gate, gate=gate)
 
 
 class GateErrorItem(pytest.Item):
-    def __init__(self, *, error: GateError, **kw):
+    def __init__(self, *, error: FileProblem, **kw):
         super().__init__(**kw)
         self.error = error
         self.add_marker(pytest.mark.premerge)

@@ -28,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from certify.archs import choose_triton_mode, present_archs
-from certify.catalog import CatalogError, load_op_file
+from certify.fileproblem import FileProblem
+from certify.catalog import load_op_file
 from certify.harness import certify_cell, certifying_problem
 from certify.paths import project_paths
 from certify.plan import Target, targets
@@ -83,7 +84,7 @@ class CellFile(pytest.File):
     def collect(self):
         try:
             op = load_op_file(self.path)
-        except CatalogError as e:
+        except FileProblem as e:
             yield CatalogErrorItem.from_parent(self, name="load", error=e)
             return
         for t in targets(op):
@@ -92,7 +93,7 @@ class CellFile(pytest.File):
 
 
 class CatalogErrorItem(pytest.Item):
-    def __init__(self, *, error: CatalogError, **kw):
+    def __init__(self, *, error: FileProblem, **kw):
         super().__init__(**kw)
         self.error = error
         self.add_marker(pytest.mark.premerge)

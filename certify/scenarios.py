@@ -13,11 +13,11 @@ field, as the cell files do::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
 
+from certify.fileproblem import FileProblem
 from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 
 
@@ -30,36 +30,25 @@ class ScenarioBase(BaseModel):
     why: str = Field(min_length=10, description="what this scenario reaches that the others do not")
 
 
-@dataclass(frozen=True)
-class ScenarioError(Exception):
-    file: Path
-    line: int
-    field: str
-    message: str
-
-    def __str__(self) -> str:
-        return f"{self.file}:{self.line}: {self.field}: {self.message}"
-
-
 def load_scenarios(path: Path, model: type[ScenarioBase]) -> list[ScenarioBase]:
-    """Every scenario of the file, validated by the target's ``model``; ``ScenarioError`` on the first
+    """Every scenario of the file, validated by the target's ``model``; ``FileProblem`` on the first
     problem (file, line, field)."""
     path = Path(path)
     try:
         data, lines = load_mapping(path)
     except YamlProblem as p:
-        raise ScenarioError(path, p.line, p.field, p.message) from None
+        raise FileProblem(path, p.line, p.field, p.message) from None
     file_model = create_model("ScenarioFile", __config__=ConfigDict(extra="forbid"),
                               scenarios=(list[model], Field(min_length=1)))
     try:
         parsed = file_model.model_validate(data)
     except ValidationError as e:
-        raise ScenarioError(path, *first_problem(e, lines)) from None
+        raise FileProblem(path, *first_problem(e, lines)) from None
     seen: set[str] = set()
     for i, sc in enumerate(parsed.scenarios):
         if sc.name in seen:
             loc = ("scenarios", i, "name")
-            raise ScenarioError(path, locate(loc, lines), field_name(loc),
+            raise FileProblem(path, locate(loc, lines), field_name(loc),
                                 f"scenario name {sc.name!r} repeats")
         seen.add(sc.name)
     return list(parsed.scenarios)

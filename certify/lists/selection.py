@@ -204,7 +204,7 @@ class Inputs:
 
 
 def load_inputs(paths) -> Inputs:
-    """The generator's inputs; ``BudgetsError`` for the first problem of the budgets file, a pin that
+    """The generator's inputs; ``FileProblem`` for the first problem of the budgets file, a pin that
     matches no item included."""
     b = load_budgets(paths.budgets)
     records = load_items(paths.lists / "items.json")

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from certify.catalog import CatalogError, load_catalog, load_op_file
+from certify.fileproblem import FileProblem
+from certify.catalog import load_catalog, load_op_file
 
 GOOD = textwrap.dedent("""\
     op: {op}
@@ -66,7 +67,7 @@ def test_a_good_file_loads(tmp_path):
 ])
 def test_malformed_files_name_file_line_and_field(tmp_path, edit, line, field, words):
     p = write(tmp_path, "bad_op", edit(GOOD.format(op="bad_op")))
-    with pytest.raises(CatalogError) as info:
+    with pytest.raises(FileProblem) as info:
         load_op_file(p)
     e = info.value
     assert (e.file, e.field) == (p, field)
@@ -77,14 +78,14 @@ def test_malformed_files_name_file_line_and_field(tmp_path, edit, line, field, w
 
 def test_yaml_syntax_errors_name_the_line(tmp_path):
     p = write(tmp_path, "broken", "op: broken\nsummary: [unclosed\n")
-    with pytest.raises(CatalogError) as info:
+    with pytest.raises(FileProblem) as info:
         load_op_file(p)
     assert info.value.field == "(yaml)" and info.value.line >= 2
 
 
 def test_the_op_name_must_match_the_file(tmp_path):
     p = write(tmp_path, "other_name", GOOD.format(op="good_op"))
-    with pytest.raises(CatalogError, match="must match the file name"):
+    with pytest.raises(FileProblem, match="must match the file name"):
         load_op_file(p)
 
 

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 from certify import atomic
-from certify.budgets import BudgetsError, load_budgets, pin_errors
+from certify.fileproblem import FileProblem
+from certify.budgets import load_budgets, pin_errors
 from certify.callables import callable_errors
-from certify.catalog import CatalogError, load_catalog, load_op_file
+from certify.catalog import load_catalog, load_op_file
 from certify.gates import ReferenceStore, load_gate_file
 from certify.harness import Outcome
 from certify.lists import load_inputs, load_items
@@ -28,7 +29,7 @@ from certify.paths import project_paths
 from certify.plan import targets
 from certify.receipts import Receipt, load_receipts, make_receipt, prune_receipts, write_receipts
 from certify.runner import run_targets
-from certify.scenarios import ScenarioBase, ScenarioError, load_scenarios
+from certify.scenarios import ScenarioBase, load_scenarios
 from certify.utf8 import NotUtf8Error
 from tests.framework.test_catalog_errors import GOOD
 
@@ -239,9 +240,9 @@ def _reference_error(path: Path):
 
 
 @pytest.mark.parametrize("load, error", [
-    (load_op_file, CatalogError),
-    (load_budgets, BudgetsError),
-    (lambda p: load_scenarios(p, ScenarioBase), ScenarioError),
+    (load_op_file, FileProblem),
+    (load_budgets, FileProblem),
+    (lambda p: load_scenarios(p, ScenarioBase), FileProblem),
     (_gate_error, Exception),
     (_reference_error, Exception),
 ], ids=["cell file", "budgets", "scenarios", "gate file", "reference file"])
@@ -258,7 +259,7 @@ def test_a_nested_duplicate_key_in_a_cell_file_names_its_field(tmp_path):
     path = tmp_path / "dup_op.yaml"
     path.write_text(GOOD.format(op="dup_op").replace("    tier: premerge\n",
                                                      "    tier: premerge\n    tier: postmerge\n"))
-    with pytest.raises(CatalogError) as info:
+    with pytest.raises(FileProblem) as info:
         load_op_file(path)
     assert (info.value.line, info.value.field) == (18, "cells[0].tier"), str(info.value)
     assert "duplicate key 'tier' (first at line 17)" in info.value.message
@@ -272,7 +273,7 @@ def test_a_cell_file_that_is_not_utf8_is_named_with_line_and_offset(tmp_path):
     at = text.index(b"the standalone")
     path = tmp_path / "latin_op.yaml"
     path.write_bytes(text[:at] + b"\xe9" + text[at:])                 # latin-1 e-acute on line 2
-    with pytest.raises(CatalogError) as info:
+    with pytest.raises(FileProblem) as info:
         load_op_file(path)
     assert (info.value.file, info.value.line, info.value.field) == (path, 2, "(file)")
     assert f"byte 0xe9 at offset {at}" in info.value.message
@@ -299,7 +300,7 @@ def test_a_rule_that_raises_at_evaluation_names_file_line_and_field(tmp_path, ru
     path = tmp_path / "rule_op.yaml"
     path.write_text(GOOD.format(op="rule_op").replace("archs: [cpu]\n",
                                                       f'archs: [cpu]\n    dispatch: "{rule}"\n'))
-    with pytest.raises(CatalogError) as info:
+    with pytest.raises(FileProblem) as info:
         load_op_file(path)
     assert (info.value.line, info.value.field) == (13, "variants[0].dispatch"), str(info.value)
     assert f"the rule raises at {where}" in info.value.message
@@ -358,7 +359,7 @@ def test_a_pin_that_matches_no_test_names_file_line_and_pin(tmp_path):
 def test_the_list_generator_refuses_a_pin_that_matches_no_test(tmp_path):
     path, typo, line = _budgets_with_typo(tmp_path)
     paths = SimpleNamespace(budgets=path, lists=PATHS.lists, reach=PATHS.reach, cells=PATHS.cells)
-    with pytest.raises(BudgetsError) as info:
+    with pytest.raises(FileProblem) as info:
         load_inputs(paths)
     assert (info.value.line, info.value.field) == (line, f"pinned.premerge.{typo}")
 

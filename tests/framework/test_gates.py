@@ -18,7 +18,7 @@ from certify.gatereport import load_report, render, write_report
 from certify.gaterun import GATE_THREADS, rejudge, run_gate
 from certify.gates import (
     EvalSetInfo,
-    GateError,
+    FileProblem,
     ReferenceStore,
     TaskResult,
     gate_settings,
@@ -114,7 +114,7 @@ def _write(tmp_path: Path, text: str, name: str = "g") -> Path:
 ])
 def test_a_broken_gate_file_names_file_line_and_field(tmp_path, edit, line, field, words):
     path = _write(tmp_path, edit(GATE.format(name="g")))
-    with pytest.raises(GateError) as info:
+    with pytest.raises(FileProblem) as info:
         load_gate_file(path, FakeTarget())
     err = info.value
     assert (err.file, err.line, err.field) == (path, line, field), str(err)

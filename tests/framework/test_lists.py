@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from certify.budgets import BudgetsError, load_budgets
+from certify.fileproblem import FileProblem
+from certify.budgets import load_budgets
 from certify.lists import build_items, generate, items_text, list_tiers, load_inputs, render_all, sweep
 from certify.paths import project_paths
 from certify.pytest_plugin import UNIVERSE
@@ -152,7 +153,7 @@ def test_budgets_errors_name_file_line_and_field(tmp_path, text, line, field):
     # the committed file with its tiers replaced, so the only problem is the planted one
     rest = real[real.index("\nconditions:"):]
     p.write_text(text + (rest if "estimates" not in text and "[\n" not in text else ""))
-    with pytest.raises(BudgetsError) as e:
+    with pytest.raises(FileProblem) as e:
         load_budgets(p)
     assert (e.value.line, e.value.field) == (line, field), str(e.value)
     assert str(p) in str(e.value)

@@ -11,7 +11,8 @@ from pydantic import Field
 
 from certify.paths import project_paths
 from certify.reach import load_tracer
-from certify.scenarios import ScenarioBase, ScenarioError, load_scenarios
+from certify.fileproblem import FileProblem
+from certify.scenarios import ScenarioBase, load_scenarios
 
 PATHS = project_paths()
 
@@ -58,7 +59,7 @@ def test_a_good_file_loads(tmp_path):
 ])
 def test_a_bad_file_names_the_line_and_the_field(tmp_path, edit, line, field, words):
     path = write(tmp_path, edit(GOOD))
-    with pytest.raises(ScenarioError) as err:
+    with pytest.raises(FileProblem) as err:
         load_scenarios(path, Toy)
     e = err.value
     assert (e.line, e.field) == (line, field), str(e)
@@ -79,6 +80,6 @@ def test_a_target_rule_error_names_the_scenario_field(tmp_path):
             why: verify rows need a draft length
             verify: [{requests: 2, context: 64}]
         """)
-    with pytest.raises(ScenarioError) as err:
+    with pytest.raises(FileProblem) as err:
         load_scenarios(write(tmp_path, text), tracer.scenario_model)
     assert err.value.field == "scenarios[0]" and "draft_length" in err.value.message
