@@ -1,4 +1,5 @@
-"""What every benchmark script shares: the memory floor's bandwidth, measured in the same run.
+"""What every benchmark script shares: the memory floor's bandwidth, measured in the same run, and
+the GPU time of a call replayed from a CUDA graph.
 
 Scripts run as ``python3 bench/NAME.py`` from the repository root, so this folder is on their import
 path and ``from bench_common import copy_bandwidth`` finds this module.
@@ -21,3 +22,17 @@ def copy_bandwidth() -> float:
              triton.testing.do_bench_cudagraph(lambda: dst.copy_(src), rep=300))
     del src, dst
     return nbytes / (ms * 1e-3)
+
+
+def graph_us(fn) -> float:
+    """Median microseconds of ``fn`` replayed from a CUDA graph (the GPU's time, no launch cost),
+    after two warm-up calls (compiles) and one capture."""
+    import triton.testing
+
+    for _ in range(2):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, rep=50, return_mode="median") * 1e3

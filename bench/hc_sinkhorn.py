@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import datetime as dt
+import sys
 from pathlib import Path
 
 import torch
 import triton
-import triton.testing
 
-from impl.kernels.hc import triton_hc
-from spec.ops.hc import SINKHORN_ITERS
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_common import graph_us  # noqa: E402
+
+from impl.kernels.hc import triton_hc  # noqa: E402
+from spec.ops.hc import SINKHORN_ITERS  # noqa: E402
 
 SHIPPED = (triton_hc.SINKHORN_TOKENS, triton_hc.SINKHORN_WARPS)
 SHAPES = [SHIPPED] + [s for s in [(32, 4), (32, 1), (16, 1), (8, 1), (4, 1), (1, 1), (64, 2),
@@ -31,16 +35,6 @@ def _launch(M: torch.Tensor, out: torch.Tensor, bt: int, warps: int) -> None:
     T, n = M.shape[0], M.shape[-1]
     triton_hc._sinkhorn_kernel[(triton.cdiv(T, bt),)](M, out, T, SINKHORN_ITERS, N=n, BT=bt,
                                                       num_warps=warps)
-
-
-def _graph_us(fn) -> float:
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, rep=50, return_mode="median") * 1e3
 
 
 def main() -> None:
@@ -62,7 +56,7 @@ def main() -> None:
             out = torch.full_like(M, float("nan"))
             _launch(M, out, bt, warps)
             same = torch.equal(out.view(torch.int32), ref.view(torch.int32))
-            us = _graph_us(lambda: _launch(M, out, bt, warps))  # noqa: B023
+            us = graph_us(lambda: _launch(M, out, bt, warps))  # noqa: B023
             lines.append(f"| {T} | {bt} | {warps} | {us:.1f} | {'yes' if same else 'NO'} |")
             print(lines[-1], flush=True)
     out_dir = Path(args.out)

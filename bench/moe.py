@@ -29,7 +29,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_common import copy_bandwidth  # noqa: E402
+from bench_common import copy_bandwidth, graph_us  # noqa: E402
 
 from impl.kernels.moe import triton_moe  # noqa: E402
 from spec.ops.kv_storage import NVFP4_BLOCK, nvfp4_global_scale, nvfp4_quantize  # noqa: E402
@@ -133,30 +133,17 @@ def main() -> None:
 SWEEP = {"BN": (32, 64), "BK": (64, 128, 256), "num_stages": (2, 4), "SPLIT": (1, 4, 8, 12)}
 
 
-def _graph_us(fn) -> float:
-    """Median us of ``fn`` replayed from a CUDA graph (the GPU's time, no launch cost)."""
-    import triton.testing
-
-    for _ in range(2):
-        fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, rep=50, return_mode="median") * 1e3
-
-
 def _profile(router, experts, shared, kw, gen, out_dir: Path, rows) -> None:
     """Per row count: each stage alone, a sweep of each GEMM's launch config (the other at its
     default), the whole block replayed from a CUDA graph, and torch.profiler's kernel table. Every
-    time is a CUDA-graph replay's (``_graph_us``)."""
+    time is a CUDA-graph replay's (``bench_common.graph_us``)."""
     import itertools
 
     import triton.testing
     from torch.profiler import ProfilerActivity, profile
 
     m = triton_moe
-    bench = _graph_us
+    bench = graph_us
     ekw = {k: kw[k] for k in ("gate_packed", "gate_sf", "gate_gs", "up_packed", "up_sf", "up_gs",
                               "down_packed", "down_sf", "down_gs", "x_gs", "h_gs")}
     text = []
