@@ -20,6 +20,11 @@ class Target:
     def name(self) -> str:
         return f"{self.op.op}::{self.variant.name}::{self.cell.id}::{self.arch}"
 
+    @property
+    def item_name(self) -> str:
+        """The pytest item's name inside its cell file (its id: ``<cell file>::<item_name>``)."""
+        return f"{self.variant.name}[{self.cell.id}-{self.arch}]"
+
 
 def variants_of_cell(op: OpFile, cell: Cell) -> list[Variant]:
     """The variants a cell certifies: those it names, else every variant whose rule accepts it."""

@@ -88,7 +88,7 @@ class CellFile(pytest.File):
             yield CatalogErrorItem.from_parent(self, name="load", error=e)
             return
         for t in targets(op):
-            yield CertifyItem.from_parent(self, name=f"{t.variant.name}[{t.cell.id}-{t.arch}]",
+            yield CertifyItem.from_parent(self, name=t.item_name,
                                           target=t)
 
 
@@ -212,13 +212,13 @@ def _longest_files_first(items: list[pytest.Item], durations_file: Path) -> None
         seconds = load_durations(durations_file) if durations_file.is_file() else {}
     except Exception:  # noqa: BLE001  (a damaged durations file is the lists' error to report)
         return
+    file_of = {id(i): i.nodeid.split("::", 1)[0] for i in items}
     longest: dict[str, float] = {}
     for item in items:
-        f = item.nodeid.split("::", 1)[0]
+        f = file_of[id(item)]
         longest[f] = max(longest.get(f, 0.0), seconds.get(item.nodeid, 0.0))
-    first_seen = {f: n for n, f in enumerate(dict.fromkeys(i.nodeid.split("::", 1)[0] for i in items))}
-    items.sort(key=lambda i: (-longest[i.nodeid.split("::", 1)[0]],
-                              first_seen[i.nodeid.split("::", 1)[0]]))
+    first_seen = {f: n for n, f in enumerate(dict.fromkeys(file_of.values()))}
+    items.sort(key=lambda i: (-longest[file_of[id(i)]], first_seen[file_of[id(i)]]))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

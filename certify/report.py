@@ -103,7 +103,7 @@ def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Rec
                 rows[key] = Row(name, t.variant.name, t.cell.id, t.cell.tier,
                                 _oracle_text(op, t.cell.id), {}, {}, {})
             if listed is not None:
-                item = f"{cells_dir}/{name}.yaml::{t.variant.name}[{t.cell.id}-{t.arch}]"
+                item = f"{cells_dir}/{name}.yaml::{t.item_name}"
                 by_arch.setdefault(key, {})[t.arch] = listed.get(item, t.cell.tier)
             r = books.get(t.arch, {}).get(key)
             rows[key].status[t.arch] = freshness(r, op, t.variant.name, t.cell, t.arch)
