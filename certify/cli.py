@@ -281,7 +281,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
 
 
 def _cmd_diff(args: argparse.Namespace) -> int:
-    from certify.diff import Snapshot, base_snapshot, compare, layout_of, render  # noqa: PLC0415
+    from certify.report.diff import Snapshot, base_snapshot, compare, layout_of, render  # noqa: PLC0415
 
     paths = project_paths()
     layout = layout_of(paths)

@@ -10,7 +10,7 @@ from pathlib import Path
 import yaml
 
 from certify.cli import main
-from certify.diff import Snapshot, compare, layout_of, render
+from certify.report.diff import Snapshot, compare, layout_of, render
 from certify.paths import project_paths
 
 PATHS = project_paths()

@@ -18,7 +18,7 @@ from certify.reach_claims import NEAR, Finding, _cells_for
 from certify.schema import OpFile
 
 if TYPE_CHECKING:
-    from certify.report import Row
+    from certify.report.rows import Row
 
 
 def _short(names: tuple[str, ...] | list[str], limit: int = 3) -> str:
