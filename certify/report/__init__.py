@@ -1,5 +1,5 @@
-"""The report: ``certify report`` (Markdown and terminal, ``markdown``; the static site, ``html``),
-``certify diff`` (``diff``). ``rows`` is the data every renderer reads."""
+"""The report: ``certify report`` (Markdown and terminal text, ``markdown``; its reach sections,
+``reach_sections``) and ``certify diff`` (``diff``). ``rows`` is the data the renderers read."""
 
 from certify.report.markdown import (coverage_markdown, op_markdown, render_all, report_extras,
                                      terminal_report, write_reports)

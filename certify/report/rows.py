@@ -1,8 +1,8 @@
 """The report's data: one row per (op, variant, cell) with its status, measured error and receipt
 per arch, the counts and the op x arch summary, and the tests that guard each op.
 
-Pure functions of the catalog, the receipts, the lists and the code's content hashes; every renderer
-(Markdown, terminal, HTML) reads these rows.
+Pure functions of the catalog, the receipts, the lists and the code's content hashes; the Markdown and
+terminal renderers read these rows.
 """
 
 from __future__ import annotations
