@@ -19,8 +19,8 @@ from certify.reach import load_reach, load_tracer, reach_text, run_trace
 from certify.reach_claims import catalog_findings, reach_findings
 from certify.plan import targets
 from certify.receipts import load_receipts, prune_receipts
-from certify.report import (project_guards, project_rows, report_extras, terminal_report,
-                            write_reports)
+from certify.report import (SITE_DIR, project_guards, project_rows, report_extras,
+                            terminal_report, write_reports)
 from certify.runner import run_targets, select
 from certify.fileproblem import FileProblem
 from certify.scenarios import load_scenarios
@@ -76,9 +76,29 @@ def _cmd_report(args: argparse.Namespace) -> int:
     written = write_reports(paths.reports, catalog, rows, extras, reach, project_guards(paths))
     shown = (paths.reports.relative_to(paths.root) if paths.reports.is_relative_to(paths.root)
              else paths.reports)
+    site = paths.reports / SITE_DIR
+    if args.html or args.screenshot or (site / "index.html").is_file():
+        written += _write_site(paths, catalog, rows, reach, extras, site, args)
     print(f"\n{did}; wrote {len(written)} report file(s) under {shown}/")
     failed = any(s == "failed" for r in rows for s in r.status.values())
     return 1 if (failed or catalog.errors) and args.strict else 0
+
+
+def _write_site(paths, catalog, rows, reach, extras, site, args) -> list:
+    """The HTML site (and with --screenshot its index.png) from the same data as the Markdown."""
+    import shutil  # noqa: PLC0415
+
+    from certify.report import render_all  # noqa: PLC0415
+    from certify.report.html import project_site, render_site, screenshot, write_site  # noqa: PLC0415
+
+    notes = {rel[len("ops/"):-len(".md")]: text for rel, text in
+             render_all(catalog, rows, extras, reach, project_guards(paths)).items()
+             if rel.startswith("ops/")}
+    written = write_site(site, render_site(project_site(paths, catalog, rows, reach, notes)))
+    if args.screenshot:
+        browser = args.browser or shutil.which("chromium") or shutil.which("chromium-browser")
+        written.append(screenshot(site, browser))
+    return written
 
 
 def _cmd_trace(args: argparse.Namespace) -> int:
@@ -310,6 +330,14 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--strict", action="store_true", help="exit 1 when anything failed")
     r.add_argument("--matrix", action="store_true",
                    help="also print every (variant, cell) row (reports/coverage.md holds them)")
+    r.add_argument("--html", action="store_true",
+                   help=f"also write the static site under reports/{SITE_DIR}/ (rewritten anyway "
+                        "whenever one is there), which opens from the file system")
+    r.add_argument("--screenshot", action="store_true",
+                   help=f"with the site, a full-page PNG of its index (reports/{SITE_DIR}/"
+                        "index.png) taken in headless Chromium through playwright")
+    r.add_argument("--browser", metavar="PATH",
+                   help="the Chromium executable for --screenshot (default: chromium on PATH)")
     r.set_defaults(fn=_cmd_report)
     c = sub.add_parser("run", help="certify cells and write receipts")
     c.add_argument("--op", action="append", help="only this op (repeatable; default: every op)")

@@ -256,4 +256,21 @@ def render_all(inp: Inputs, sel: Selection | None = None) -> dict[str, str]:
     rows = sweep(inp)
     files["reports/lists.md"] = report_text(inp, sel, rows)
     files["reports/lists.svg"] = report_svg(sel, inp.budgets)
+    files["reports/lists.json"] = sweep_json(sel, rows)
     return files
+
+
+SWEEP_FORMAT = "lists-sweep/1"
+
+
+def sweep_json(sel: Selection, rows: list[dict]) -> str:
+    """The tiers and the pre-merge sweep as data, for the HTML report (it does not re-run the
+    solver): per tier its items, cost, budget and share of all risk; per swept budget the same."""
+    tiers = {t: {"items": len(tr.items), "cost": round(tr.cost, 3),
+                 "budget": None if tr.budget is None else round(tr.budget, 3),
+                 "share": round(tr.risk / sel.total_risk, 6)} for t, tr in sel.tiers.items()}
+    points = [{"fraction": r["fraction"], "budget": round(r["budget"], 3), "cost": round(r["cost"], 3),
+               "share": round(r["share"], 6), "items": r["items"], "guards": r["guards"],
+               "out": r["out"]} for r in rows]
+    return json.dumps({"format": SWEEP_FORMAT, "tiers": tiers, "sweep": points}, indent=1,
+                      sort_keys=True) + "\n"
