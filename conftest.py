@@ -25,4 +25,4 @@ settings.register_profile(
 )
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 
-pytest_plugins = ["certify.pytest_plugin", "certify.gates_plugin"]
+pytest_plugins = ["certify.pytest_plugin", "certify.gating.plugin"]

@@ -16,14 +16,14 @@ from certify.archs import choose_triton_mode, present_archs
 from certify.catalog import load_catalog
 from certify.paths import project_paths
 from certify.reach import load_reach, load_tracer, reach_text, run_trace
-from certify.reach_claims import catalog_findings, reach_findings
+from certify.reach.claims import catalog_findings, reach_findings
 from certify.plan import targets
 from certify.receipts import load_receipts, prune_receipts
 from certify.report import (SITE_DIR, project_guards, project_rows, report_extras,
                             terminal_report, write_reports)
 from certify.runner import run_targets, select
 from certify.fileproblem import FileProblem
-from certify.scenarios import load_scenarios
+from certify.reach.scenarios import load_scenarios
 from certify.schema import TIERS, OpFile
 
 
@@ -379,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
     df.add_argument("base", metavar="BASE", help="the git revision to compare with (e.g. main)")
     df.add_argument("--out", metavar="FILE", default=None, help="also write the Markdown to FILE")
     df.set_defaults(fn=_cmd_diff)
-    from certify.gatecli import add_parser as add_gates_parser  # noqa: E402 (its own module)
+    from certify.gating.cli import add_parser as add_gates_parser  # noqa: E402 (its own module)
     add_gates_parser(sub)
     args = p.parse_args(argv)
     if not getattr(args, "fn", None):

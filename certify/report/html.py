@@ -301,7 +301,7 @@ def project_site(paths, catalog: Catalog, rows: list[Row], reach: ReachFile | No
                  notes: dict[str, str]) -> SiteData:
     """The site's data as ``certify report`` has it: gates from <reports>/gates, lists from
     <reports>/lists.json."""
-    from certify.gatereport import load_report  # noqa: PLC0415
+    from certify.gating.report import load_report  # noqa: PLC0415
 
     reports = Path(paths.reports)
     gates = [load_report(p) for p in sorted((reports / "gates").glob("*.json"))]

@@ -18,7 +18,7 @@ from certify.catalog import Catalog
 from certify.harness import resolve
 from certify.plan import variants_of_cell
 from certify.reach import ReachFile
-from certify.reach_claims import Finding, catalog_findings, reach_findings
+from certify.reach.claims import Finding, catalog_findings, reach_findings
 from certify.receipts import evidence_problems
 from certify.report.reach_sections import (cost_markdown, gaps_markdown, op_reach_markdown,
                                            terminal_gaps)

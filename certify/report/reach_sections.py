@@ -1,7 +1,7 @@
 """Reach beside certification, for the report: what the forward reaches that nothing certifies (first),
 the cells that cost without covering, and per op its reached axis ranges and the cells covering them.
 
-Pure functions of the catalog, the reach file, the findings (``certify.reach_claims``) and the report's
+Pure functions of the catalog, the reach file, the findings (``certify.reach.claims``) and the report's
 rows (receipt statuses), so the committed reports stay checkable for staleness.
 """
 
@@ -14,7 +14,7 @@ from tabulate import tabulate
 
 from certify.catalog import Catalog
 from certify.reach import ReachFile
-from certify.reach_claims import NEAR, Finding, _cells_for
+from certify.reach.claims import NEAR, Finding, _cells_for
 from certify.schema import OpFile
 
 if TYPE_CHECKING:

@@ -1,5 +1,5 @@
 """The gate target: the trained tiny checkpoint, run by ``impl.model.engine.Engine`` on the fixed
-evaluation sets (impl/tasks/evalsets.py). certify/gates.py's ``GateTarget`` is the contract.
+evaluation sets (impl/tasks/evalsets.py). certify/gating/files.py's ``GateTarget`` is the contract.
 
 Engine configuration. A gate's ``engine`` mapping is ``GateEngine``: the engine's storage and
 speculation choices and its batch shape; every field left out takes its identity value (bf16 KV, fp32
@@ -29,7 +29,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from certify.archs import runtime_arch
-from certify.gates import EvalSetInfo, TaskResult
+from certify.gating.files import EvalSetInfo, TaskResult
 from impl.model.admission import Request
 from impl.model.engine_config import EngineConfig, SpeculativeConfig, check
 from impl.tasks import TASKS

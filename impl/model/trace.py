@@ -37,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from certify.catalog import Catalog
 from certify.reach import Mode, ModeTrace
-from certify.scenarios import ScenarioBase
+from certify.reach.scenarios import ScenarioBase
 from certify.schema import Variant
 from impl.model.cache import PAGE, EngineCache, GDNPool, scrub_pages, truncate_planes
 from impl.model.dispatch import DispatchError, Dispatcher, OpCall

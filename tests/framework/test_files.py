@@ -22,14 +22,14 @@ from certify.fileproblem import FileProblem
 from certify.budgets import load_budgets, pin_errors
 from certify.callables import callable_errors
 from certify.catalog import load_catalog, load_op_file
-from certify.gates import ReferenceStore, load_gate_file
+from certify.gating.files import ReferenceStore, load_gate_file
 from certify.harness import Outcome
 from certify.lists import load_inputs, load_items
 from certify.paths import project_paths
 from certify.plan import targets
 from certify.receipts import Receipt, load_receipts, make_receipt, prune_receipts, write_receipts
 from certify.runner import run_targets
-from certify.scenarios import ScenarioBase, load_scenarios
+from certify.reach.scenarios import ScenarioBase, load_scenarios
 from certify.utf8 import NotUtf8Error
 from tests.framework.test_catalog_errors import GOOD
 

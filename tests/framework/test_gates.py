@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 from pydantic import BaseModel, ConfigDict
 
-from certify.gatejudge import Family, tier_families, tier_rate
-from certify.gatereport import load_report, render, write_report
-from certify.gaterun import GATE_THREADS, rejudge, run_gate
-from certify.gates import (
+from certify.gating.judge import Family, tier_families, tier_rate
+from certify.gating.report import load_report, render, write_report
+from certify.gating.run import GATE_THREADS, rejudge, run_gate
+from certify.gating.files import (
     EvalSetInfo,
     FileProblem,
     ReferenceStore,
@@ -26,8 +26,8 @@ from certify.gates import (
     load_gates,
     load_target,
 )
-from certify.gateschema import GateFile
-from certify.gatestats import FAMILY_ALPHA, power
+from certify.gating.schema import GateFile
+from certify.gating.stats import FAMILY_ALPHA, power
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -299,7 +299,7 @@ def _ref_keys(store: ReferenceStore) -> set:
 
 
 def test_gates_in_jobs_record_and_check_as_one_process_does(tmp_path):
-    from certify.gaterun import run_gates_in_jobs
+    from certify.gating.run import run_gates_in_jobs
     spec = f"{FakeTarget.__module__}:FakeTarget"
     one = ReferenceStore(tmp_path / "one")
     sequential = {g.gate: run_gate(g, FakeTarget(), one, record=True) for g in _three_gates()}
@@ -320,7 +320,7 @@ def test_gates_in_jobs_record_and_check_as_one_process_does(tmp_path):
 
 
 def test_a_gate_job_that_raises_fails_alone(tmp_path):
-    from certify.gaterun import run_gates_in_jobs
+    from certify.gating.run import run_gates_in_jobs
     errors: list[tuple[str, str]] = []
     results = run_gates_in_jobs(_three_gates(), f"{FakeTarget.__module__}:RaisesOnDraft3",
                                 ReferenceStore(tmp_path / "refs"), 2, record=True,
@@ -395,7 +395,7 @@ def test_gate_items_are_collected_with_their_tier_and_skip_with_the_reason():
 def test_gate_jobs_report_each_run_progress_to_the_parent(tmp_path):
     """``on_progress`` hears, in this process, every engine run of every job: per (gate, run) the
     counts rise to the run's total, and the runs are those a sequential run shows."""
-    from certify.gaterun import run_gates_in_jobs
+    from certify.gating.run import run_gates_in_jobs
     sequential: dict[tuple[str, str], list[int]] = {}
     for g in _three_gates():
         run_gate(g, FakeTarget(), ReferenceStore(tmp_path / "one"), record=True,
@@ -526,7 +526,7 @@ def test_gate_runs_use_the_fixed_thread_count_and_record_the_platform(tmp_path):
 
 
 def test_gate_jobs_run_at_the_same_thread_count_as_one_process(tmp_path):
-    from certify.gaterun import run_gates_in_jobs
+    from certify.gating.run import run_gates_in_jobs
     results = run_gates_in_jobs(_three_gates(), f"{Threads.__module__}:Threads",
                                 ReferenceStore(tmp_path), 2)
     assert {r.acceptance_length for res in results for r in res.runs} == {float(GATE_THREADS)}
@@ -612,7 +612,7 @@ def test_gates_check_reports_an_inconsistent_reference(tmp_path):
 def test_the_platform_records_the_capability_torch_dispatched_to():
     """Under ATEN_CPU_CAPABILITY=default torch dispatches to its baseline kernels, and the record
     says so beside the settings as given."""
-    code = "import json; from certify.gaterun import numeric_platform; print(json.dumps(numeric_platform()))"
+    code = "import json; from certify.gating.run import numeric_platform; print(json.dumps(numeric_platform()))"
     env = {**__import__("os").environ, "PYTHONPATH": str(ROOT), "ATEN_CPU_CAPABILITY": "default",
            "ONEDNN_MAX_CPU_ISA": "SSE41"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,

@@ -10,7 +10,7 @@ from fractions import Fraction
 import pytest
 from scipy.stats import binom
 
-from certify import gatestats as st
+from certify.gating import stats as st
 
 LEVELS = [0.05, 0.0125, 0.05 / 22, 0.05 / 14, 0.2]
 

@@ -1,4 +1,4 @@
-"""Reach: the claims the catalog makes about what the forward reaches, enforced (certify/reach_claims.py).
+"""Reach: the claims the catalog makes about what the forward reaches, enforced (certify/reach/claims.py).
 
 The claims read the committed reach file (reports/reach.json, written by `certify trace`); one test
 re-runs the tracer and fails when that file is stale. Findings the claims only flag (cells outside the
@@ -15,7 +15,7 @@ from certify.catalog import Catalog, load_catalog
 from certify.harness import Outcome, certify_cell, certifying_problem
 from certify.paths import project_paths
 from certify.reach import load_reach, reach_text, run_trace
-from certify.reach_claims import Finding, _cells_for, catalog_findings, reach_findings
+from certify.reach.claims import Finding, _cells_for, catalog_findings, reach_findings
 
 PATHS = project_paths()
 RETRACE = "run `certify trace` and commit reports/reach.json"
@@ -99,7 +99,7 @@ def test_a_real_certification_runs_all_three(catalog):
 
 def test_cells_outside_the_reach_are_flagged_not_failed(catalog, reach):
     """Cost without coverage, reached values beyond the cells, and declared domains the forward leaves
-    are warnings (see certify/reach_claims.py for why); they are listed first in the report."""
+    are warnings (see certify/reach/claims.py for why); they are listed first in the report."""
     findings = reach_findings(catalog, reach)
     flagged = flag(findings, ("outside_reach", "not_reached", "axis_gap", "outside_domain",
                               "no_variant"))

@@ -1,5 +1,5 @@
 """The scenario file: the framework's envelope (name, why), the target's fields, and errors that name the
-file, the line and the field (certify/scenarios.py)."""
+file, the line and the field (certify/reach/scenarios.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pydantic import Field
 from certify.paths import project_paths
 from certify.reach import load_tracer
 from certify.fileproblem import FileProblem
-from certify.scenarios import ScenarioBase, load_scenarios
+from certify.reach.scenarios import ScenarioBase, load_scenarios
 
 PATHS = project_paths()
 

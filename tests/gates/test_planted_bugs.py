@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from certify.gatejudge import tier_families
-from certify.gaterun import run_gate
-from certify.gates import ReferenceStore, gate_settings, load_gates
+from certify.gating.judge import tier_families
+from certify.gating.run import run_gate
+from certify.gating.files import ReferenceStore, gate_settings, load_gates
 from impl.gates.target import TARGET
 from tests.gates.planted_bugs import BUGS
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from certify.gatereport import write_report
-from certify.gaterun import run_gate
-from certify.gates import ReferenceStore
-from certify.gateschema import GateFile
+from certify.gating.report import write_report
+from certify.gating.run import run_gate
+from certify.gating.files import ReferenceStore
+from certify.gating.schema import GateFile
 from impl.gates.target import FlashNextGates, answer_steps
 from impl.model.admission import Request
 from impl.model.checkpoint import save_checkpoint

@@ -27,10 +27,10 @@ import json
 import sys
 from pathlib import Path
 
-from certify.gatejudge import tier_families
-from certify.gatereport import render, write_report
-from certify.gaterun import run_gate, run_gates_in_jobs
-from certify.gates import ReferenceStore, gate_settings, load_gates, load_target
+from certify.gating.judge import tier_families
+from certify.gating.report import render, write_report
+from certify.gating.run import run_gate, run_gates_in_jobs
+from certify.gating.files import ReferenceStore, gate_settings, load_gates, load_target
 from certify.paths import project_paths
 from certify.schema import TIERS
 

@@ -32,7 +32,7 @@ import yaml
 from pydantic import ValidationError
 
 from certify.fileproblem import FileProblem
-from certify.gateschema import (
+from certify.gating.schema import (
     AcceptanceCheck,
     GateFile,
     PairedDeltaCheck,

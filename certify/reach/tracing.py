@@ -1,9 +1,9 @@
 """Reach: the (op, variant, axis values) the forward really takes, found by tracing scenarios.
 
-``certify trace`` loads the scenarios (``certify.scenarios``), asks the target's tracer (``[tool.certify]
+``certify trace`` loads the scenarios (``certify.reach.scenarios``), asks the target's tracer (``[tool.certify]
 tracer``, a ``Tracer``) what each scenario's forward calls in every *mode*, and writes the reach file
 (``[tool.certify] reach``, JSON, deterministic, committed). The claims tests and the report read that file
-(``certify.reach_claims``); a pre-merge test re-runs the tracer and fails when the file is stale.
+(``certify.reach.claims``); a pre-merge test re-runs the tracer and fails when the file is stale.
 
 Modes. A mode is (arch, batch-invariant or not): every runtime arch any variant of the catalog declares
 (``cpu-interpret`` certifies kernels on behalf of a GPU arch and is never a runtime arch), each in the
@@ -34,7 +34,7 @@ from pydantic import BaseModel, ConfigDict
 from certify.archs import is_runtime_arch
 from certify.catalog import Catalog, load_catalog
 from certify.harness import resolve
-from certify.scenarios import ScenarioBase, load_scenarios
+from certify.reach.scenarios import ScenarioBase, load_scenarios
 from certify.utf8 import read_utf8
 
 FORMAT = "reach/1"

@@ -4,7 +4,7 @@ lists like any other test.
 - An item is marked with its gate's tier (``premerge`` / ``postmerge`` / ``ondemand``) and runs the
   gate through the target (``[tool.certify] gate_target``); it fails when a check fails or has no
   reference, listing every check with its verdict. Its statistical checks run at their share of the
-  tier's family-wise rate, the family being every gate file of the tier (certify.gatejudge), so an
+  tier's family-wise rate, the family being every gate file of the tier (certify.gating.judge), so an
   item's verdict is the one ``certify gates run`` gives.
 - When the target cannot run gates here (e.g. no trained checkpoint), every item is skipped with the
   target's reason: a gate never passes without having run.
@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from certify.gatejudge import Family, tier_families
-from certify.gaterun import run_gate
-from certify.gates import (
+from certify.gating.judge import Family, tier_families
+from certify.gating.run import run_gate
+from certify.gating.files import (
     FileProblem,
     GateTarget,
     ReferenceStore,

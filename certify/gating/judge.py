@@ -1,11 +1,11 @@
 """A gate's verdicts: every check of a gate judged from the per-sample scores of this run and of its
-references, with the statistics of certify.gatestats.
+references, with the statistics of certify.gating.stats.
 
 A statistical check (accuracy, paired_delta) runs at its tier's Bonferroni share of the family-wise
 rate (``Family``): the tier's family is every statistical check of every gate file of that tier, so
 the verdict of one gate is decided by its own run, at a level known from the gate files. Each such
 check states what it can do whatever this run measured: its exact false-fail rate, the fewest
-flipped samples it catches, and its power against the named regression (gatestats docstring).
+flipped samples it catches, and its power against the named regression (the stats docstring).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
-from certify import gatestats as st
-from certify.gates import TaskResult, config_key
-from certify.gateschema import AcceptanceCheck, AccuracyCheck, GateFile, PairedDeltaCheck, Reference
+from certify.gating import stats as st
+from certify.gating.files import TaskResult, config_key
+from certify.gating.schema import AcceptanceCheck, AccuracyCheck, GateFile, PairedDeltaCheck, Reference
 
 RefOf = Callable[[str, str], "Reference | None"]      # (run label, task) -> its reference
 
@@ -35,7 +35,7 @@ class CheckResult:
     level: float | None = None           # fails when p_value <= level (the tier's Bonferroni share)
     false_fail_rate: float | None = None  # the exact size of the check at this level and n
     caught_flips: int | None = None      # flipping this many reference-right samples always fails
-    power: float | None = None           # against gatestats.REGRESSION_FLIP (needs the reference)
+    power: float | None = None           # against stats.REGRESSION_FLIP (needs the reference)
     detail: str = ""
 
 

@@ -24,7 +24,7 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from certify.gatestats import ACCEPTANCE_RATIO
+from certify.gating.stats import ACCEPTANCE_RATIO
 from certify.schema import Tier
 
 _IDENT = r"^[a-z][a-z0-9_]*$"
@@ -44,7 +44,7 @@ class TaskRun(_Strict):
 class AccuracyCheck(_Strict):
     """The task's per-sample scores did not get worse than its reference's more often than chance
     allows (the exact one-sided sign test, McNemar's for 0/1 scores, at the tier's Bonferroni share of
-    its family-wise rate: certify.gatestats)."""
+    its family-wise rate: certify.gating.stats)."""
 
     kind: Literal["accuracy"]
     task: str
@@ -61,7 +61,7 @@ class AcceptanceCheck(_Strict):
 class PairedDeltaCheck(_Strict):
     """Per sample, score(gate engine) - score(``against``), both measured in this run, did not fall
     below the same difference in the references more often than chance allows (the exact one-sided
-    sign test at the tier's share of its family-wise rate: certify.gatestats)."""
+    sign test at the tier's share of its family-wise rate: certify.gating.stats)."""
 
     kind: Literal["paired_delta"]
     task: str

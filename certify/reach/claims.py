@@ -40,7 +40,7 @@ from typing import Literal
 
 from certify.catalog import Catalog
 from certify.plan import targets, variants_of_cell
-from certify.reach import AxisReach, Mode, ReachFile
+from certify.reach.tracing import AxisReach, Mode, ReachFile
 from certify.schema import Cell, OpFile
 
 Severity = Literal["fail", "warn", "info"]

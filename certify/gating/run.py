@@ -1,7 +1,7 @@
 """Running a gate: each engine configuration the gate needs runs every task its checks read, once, in
 this run (the gate's own engine, and for a paired check the configuration it is compared with); then
 every check is judged from the per-sample scores of this run and of its references
-(certify.gatejudge, with the statistics of certify.gatestats).
+(certify.gating.judge, with the statistics of certify.gating.stats).
 
 Statuses: a check ``passed`` / ``failed``, or has ``no reference`` (none recorded for its
 configuration: that is not a pass; ``--record`` writes one from this run, to be reviewed and
@@ -37,10 +37,10 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from certify import gatestats as st
-from certify.gatejudge import CheckResult, Family, against_label, judge, own_family, reproduces
-from certify.gates import GateTarget, ReferenceStore, TaskResult, utc_now
-from certify.gateschema import AcceptanceCheck, AccuracyCheck, GateFile, PairedDeltaCheck, Reference
+from certify.gating import stats as st
+from certify.gating.judge import CheckResult, Family, against_label, judge, own_family, reproduces
+from certify.gating.files import GateTarget, ReferenceStore, TaskResult, utc_now
+from certify.gating.schema import AcceptanceCheck, AccuracyCheck, GateFile, PairedDeltaCheck, Reference
 
 RunProgress = Callable[[str, int, int], None]   # (run label, done, total)
 
@@ -165,7 +165,7 @@ def run_gate(gate: GateFile, target: GateTarget, store: ReferenceStore, *,
              family: Family | None = None, progress: RunProgress | None = None,
              record: bool = False, overwrite: bool = False) -> GateResult:
     """Run one gate (see the module docstring). ``family``: the statistical checks of the gate's tier
-    (gatejudge.tier_families over the gate files), whose share of the tier's family-wise rate each
+    (judge.tier_families over the gate files), whose share of the tier's family-wise rate each
     check runs at; None judges the gate as its own family (a gate outside any gate directory).
     With ``record`` every configuration run here gets a reference from this run where it has none
     (``overwrite``: replace it); the caller saves the store."""
@@ -273,7 +273,7 @@ def _run_in_job(gate: GateFile, family: Family | None, target_spec: str, referen
     """One gate in a worker process: its own target and a store read from disk at the start. The
     references it records are returned for the parent's store, the one that is saved. ``events``
     (a queue shared with the parent) receives (gate, run label, done, total) as the runs advance."""
-    from certify.gates import load_target
+    from certify.gating.files import load_target
     store = ReferenceStore(references)
     added: Added = []
     store_add = store.add
@@ -349,7 +349,7 @@ def run_gates_in_jobs(gates: list[GateFile], target_spec: str, store: ReferenceS
     same configuration, the first to end is kept (``overwrite``: the last). A job that raises is
     reported to ``on_error`` and the others go on. ``on_progress(gate, run label, done, total)`` is
     called in this process, from a listener thread, as the jobs' engine runs advance. ``families``
-    (per tier, from gatejudge.tier_families) is the family each gate's checks are judged in; a tier
+    (per tier, from judge.tier_families) is the family each gate's checks are judged in; a tier
     it lacks judges each of its gates as its own family."""
     results: list[GateResult] = []
     ctx = multiprocessing.get_context("spawn")

@@ -16,11 +16,11 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from certify import gatestats as st
-from certify.gatejudge import CheckResult, Family, tier_families, tier_rate
-from certify.gaterun import GateResult, RunRecord, rejudge
-from certify.gates import ReferenceStore
-from certify.gateschema import GateFile
+from certify.gating import stats as st
+from certify.gating.judge import CheckResult, Family, tier_families, tier_rate
+from certify.gating.run import GateResult, RunRecord, rejudge
+from certify.gating.files import ReferenceStore
+from certify.gating.schema import GateFile
 from certify.atomic import atomic_write_text
 from certify.schema import TIERS
 
@@ -65,7 +65,7 @@ def write_report(result: GateResult, reports_dir: Path,
 def render(reports_dir: Path, gates: Mapping[str, GateFile], store: ReferenceStore,
            families: Mapping[str, Family] | None = None) -> tuple[list[str], list[str]]:
     """Re-judge every report of ``reports_dir`` whose gate file exists from its stored per-sample
-    scores (gaterun.rejudge) and rewrite it and the summary. Returns (re-rendered gates, why each
+    scores (run.rejudge) and rewrite it and the summary. Returns (re-rendered gates, why each
     other report was left as it is)."""
     families = tier_families(gates.values()) if families is None else families
     done, left = [], []
@@ -157,7 +157,7 @@ def _tier_rows(results: list[GateResult], gates: Mapping[str, GateFile] | None) 
 
 
 _HOW = f"""\
-How the checks are judged (statistics v{st.STATISTICS_VERSION}, `certify/gatestats.py`): each
+How the checks are judged (statistics v{st.STATISTICS_VERSION}, `certify/gating/stats.py`): each
 statistical check pairs this run's per-sample scores with its reference's (accuracy: the scores
 themselves; paired_delta: the per-sample difference variant - comparison, against the references'
 difference) and counts the samples that got worse and better; under "no regression" (this run and
@@ -186,7 +186,7 @@ report kept no per-sample scores, so only re-running the gate judges it under v{
 
 _REPEAT = """\
 Repeatability: every gate's engine runs with one intra-op thread whatever `--jobs` is
-(`certify/gaterun.py`, GATE_THREADS): torch's CPU kernels may split work by thread count and round
+(`certify/gating/run.py`, GATE_THREADS): torch's CPU kernels may split work by thread count and round
 differently, so a pinned count makes a re-run on one machine and software bitwise the same run. What
 a run's numbers still depend on is its platform (column below): torch's version, the CPU, and the
 capability torch dispatched to (ATEN_CPU_CAPABILITY and ONEDNN_MAX_CPU_ISA cap it); a different
