@@ -2,12 +2,21 @@
 the GPU time of a call replayed from a CUDA graph.
 
 Scripts run as ``python3 bench/NAME.py`` from the repository root, so this folder is on their import
-path and ``from bench_common import copy_bandwidth`` finds this module.
+path and ``import bench_common`` finds this module; importing it puts the checkout's root on the path
+as well, so a script finds ``certify``, ``impl`` and ``spec`` with nothing installed (the GPU machine).
+A script imports it before any of those.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(1, str(ROOT))
 
 
 def copy_bandwidth() -> float:

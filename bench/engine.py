@@ -35,6 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.engine import Engine  # noqa: E402
 from impl.model.engine_config import EngineConfig  # noqa: E402

@@ -36,10 +36,11 @@ from pathlib import Path
 
 import torch
 
-from certify.catalog import load_op_file
-from certify.harness import build_case, run_spec, run_variant, variant_callable
-from certify.oracles import tolerance
-from certify.paths import project_paths
+import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+from certify.catalog.load import load_op_file
+from certify.harness.target import build_case, run_spec, run_variant, variant_callable
+from certify.harness.oracles import tolerance
+from certify.files.paths import project_paths
 from spec.ops import gdn
 from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 

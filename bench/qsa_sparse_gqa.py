@@ -26,12 +26,13 @@ from pathlib import Path
 
 import torch
 
-from certify.oracles import tolerance
-from certify.paths import project_paths
+import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+from certify.harness.oracles import tolerance
+from certify.files.paths import project_paths
 from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4
 from impl.kernels.qsa.triton_sparse_gqa import _DECODE_SHAPE, triton_decode
-from certify.catalog import load_catalog
-from certify.rules import evaluate
+from certify.catalog.load import load_catalog
+from certify.catalog.rules import evaluate
 from spec.ops.kv_storage import fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load, nvfp4_quantize
 from spec.ops.qsa import qsa_sparse_gqa
 

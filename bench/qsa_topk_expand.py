@@ -29,10 +29,11 @@ import platform
 import sys
 from pathlib import Path
 
+import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
 from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, before triton)
 import torch
 
-from certify.paths import project_paths
+from certify.files.paths import project_paths
 from impl.kernels.qsa import torch_topk_expand, triton_topk_expand
 from spec.cases.qsa import TPB, WIDTH_BLOCKS, topk_expand_case
 from spec.ops.qsa import qsa_topk_expand

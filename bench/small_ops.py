@@ -25,10 +25,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import copy_bandwidth  # noqa: E402
 
-from certify.catalog import load_op_file  # noqa: E402
-from certify.harness import build_case, resolve, run_spec, run_variant, variant_callable  # noqa: E402
-from certify.oracles import tolerance  # noqa: E402
-from certify.paths import project_paths  # noqa: E402
+from certify.catalog.load import load_op_file  # noqa: E402
+from certify.harness.target import build_case, resolve, run_spec, run_variant, variant_callable  # noqa: E402
+from certify.harness.oracles import tolerance  # noqa: E402
+from certify.files.paths import project_paths  # noqa: E402
 
 # (op, label, axes overriding the op's first cell)
 SHAPES = [

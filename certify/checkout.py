@@ -1,6 +1,6 @@
 """The ``certify`` console script runs the code of the checkout it is run in.
 
-The framework finds the project from the working directory (``certify.paths``: the nearest directory
+The framework finds the project from the working directory (``certify.files.paths``: the nearest directory
 upwards with a ``[tool.certify]`` table), but Python imports ``certify``, and the target's own modules,
 from wherever the project was installed. An editable install of one clone, run from inside another
 clone, would certify the first clone's code against the second clone's cell files and write the
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 import certify
-from certify.paths import project_paths
+from certify.files.paths import project_paths
 
 RERUN_ENV = "CERTIFY_CHECKOUT_ROOT"  # set in the fresh interpreter: the root it was started for
 REFUSED = 2

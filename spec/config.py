@@ -181,7 +181,8 @@ class ModelConfig(BaseModel):
         need(self.head_dim % NVFP4_BLOCK == 0, "head_dim",
              f"must be a multiple of {NVFP4_BLOCK} (nvfp4 KV blocks along head_dim)")
         need(self.tokens_per_block == 32, "tokens_per_block",
-             "must be 32: the block (== page) size is fixed by MATH.md and spec/ops/qsa.py")
+             "must be 32: the block (== page) size is fixed by docs/spec.md, \"Geometry\", and "
+             "spec/ops/qsa.py")
         need(self.top_k_blocks >= 0, "top_k_blocks", "must be >= 0")
         need(self.sink_blocks >= 0, "sink_blocks", "must be >= 0")
         need(self.local_blocks >= 1, "local_blocks",
@@ -208,7 +209,7 @@ class ModelConfig(BaseModel):
              f"must leave {heads} distinct primes below it, and be below 2^31")
         # MTP
         need(self.mtp_layers in (0, 1), "mtp_layers", "must be 0 or 1 (one draft layer, reused)")
-        need(1 <= self.max_draft_len <= 7, "max_draft_len", "must lie in 1..7 (MATH.md)")
+        need(1 <= self.max_draft_len <= 7, "max_draft_len", "must lie in 1..7 (docs/spec.md, \"Geometry\")")
         return v
 
     @model_validator(mode="after")

@@ -60,7 +60,8 @@ def summary(target: ModelConfig | None = None, tiny: ModelConfig | None = None) 
               f"| fp32 | {fp32:,} B = {_mb(fp32)} | {target.conv_state_bytes_per_slot():,} B |",
               f"| bf16 | {bf16:,} B = {_mb(bf16)} | {target.conv_state_bytes_per_slot():,} B |",
               "",
-              f"MATH.md's figure 48 x 128 x 128 x 4 B x 36 = {MATH_STATE_BYTES_FP32:,} B (113 MB): "
+              "docs/spec.md's figure (\"Geometry\") 48 x 128 x 128 x 4 B x 36 = "
+              f"{MATH_STATE_BYTES_FP32:,} B (113 MB): "
               f"{check} the config's fp32 state."]
     return lines
 

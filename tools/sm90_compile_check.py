@@ -56,10 +56,10 @@ from triton.backends.compiler import GPUTarget
 from triton.backends.driver import DriverBase
 from triton.runtime.driver import driver as _driver_config
 
-from certify.catalog import load_catalog
-from certify.harness import build_case, run_variant, variant_callable
-from certify.paths import project_paths
-from certify.plan import Target, targets
+from certify.catalog.load import load_catalog
+from certify.harness.target import build_case, run_variant, variant_callable
+from certify.files.paths import project_paths
+from certify.catalog.plan import Target, targets
 
 ARCH = "sm_90"
 TARGET = GPUTarget("cuda", 90, 32)

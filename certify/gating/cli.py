@@ -31,8 +31,8 @@ from certify.gating.judge import tier_families
 from certify.gating.report import render, write_report
 from certify.gating.run import run_gate, run_gates_in_jobs
 from certify.gating.files import ReferenceStore, gate_settings, load_gates, load_target
-from certify.paths import project_paths
-from certify.schema import TIERS
+from certify.files.paths import project_paths
+from certify.catalog.schema import TIERS
 
 
 def _progress():

@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import yaml
 from pydantic import ValidationError
 
-from certify.fileproblem import FileProblem
+from certify.files.problem import FileProblem
 from certify.gating.schema import (
     AcceptanceCheck,
     GateFile,
@@ -39,9 +39,9 @@ from certify.gating.schema import (
     Reference,
     ReferenceFile,
 )
-from certify.harness import resolve
-from certify.paths import project_paths
-from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
+from certify.harness.target import resolve
+from certify.files.paths import project_paths
+from certify.files.yamlfile import field_name, load_validated, locate
 
 Progress = Callable[[int, int], None]
 
@@ -173,14 +173,7 @@ def load_gate_file(path: Path, target: GateTarget | None = None) -> GateFile:
     """Load and validate one gate file (against the target when given); ``FileProblem`` on the first
     problem, naming file, line and field."""
     path = Path(path)
-    try:
-        data, lines = load_mapping(path)
-    except YamlProblem as p:
-        raise FileProblem(path, p.line, p.field, p.message) from None
-    try:
-        gate = GateFile.model_validate(data)
-    except ValidationError as e:
-        raise FileProblem(path, *first_problem(e, lines)) from None
+    gate, lines = load_validated(path, GateFile)
     if gate.gate != path.stem:
         raise FileProblem(path, locate(("gate",), lines), "gate",
                         f"gate {gate.gate!r} must match the file name {path.stem!r}")
@@ -257,13 +250,9 @@ class ReferenceStore:
         self._dirty: set[str] = set()
         for path in sorted(self.dir.glob("*.yaml")) if self.dir.is_dir() else []:
             try:
-                data, lines = load_mapping(path)
-                ref = ReferenceFile.model_validate(data)
-            except YamlProblem as p:
-                self.errors.append(FileProblem(path, p.line, p.field, p.message))
-                continue
-            except ValidationError as e:
-                self.errors.append(FileProblem(path, *first_problem(e, lines)))
+                ref, lines = load_validated(path, ReferenceFile)
+            except FileProblem as problem:
+                self.errors.append(problem)
                 continue
             if ref.eval_set != path.stem:
                 self.errors.append(FileProblem(path, locate(("eval_set",), lines), "eval_set",

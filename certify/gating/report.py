@@ -21,8 +21,8 @@ from certify.gating.judge import CheckResult, Family, tier_families, tier_rate
 from certify.gating.run import GateResult, RunRecord, rejudge
 from certify.gating.files import ReferenceStore
 from certify.gating.schema import GateFile
-from certify.atomic import atomic_write_text
-from certify.schema import TIERS
+from certify.files.atomic import atomic_write_text
+from certify.catalog.schema import TIERS
 
 STATISTICS_NAMES = {
     1: "v1: normal approximation, no per-sample scores kept (re-run to judge under v2)",

@@ -25,7 +25,7 @@ from typing import Annotated, Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field
 
 from certify.gating.stats import ACCEPTANCE_RATIO
-from certify.schema import Tier
+from certify.catalog.schema import Tier
 
 _IDENT = r"^[a-z][a-z0-9_]*$"
 

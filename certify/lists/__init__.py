@@ -23,7 +23,7 @@ Selection, per tier in order:
 
 Risk: each item exercises features (its op, its (op, variant), the variant on its arch, its cell, a
 guard, a gate's engine settings and eval sets, a test's folder and file, keywords of its id); a
-feature's weight is shared equally among the items that exercise it (see ``certify.budgets``).
+feature's weight is shared equally among the items that exercise it (see ``certify.lists.budgets``).
 
 Modules: ``records`` (the lists' files read and written), ``risk`` (items with cost and risk),
 ``selection`` (mandatory items, the knapsack, LPT shards, the generator), ``render`` (the generated

@@ -7,7 +7,7 @@ import json
 from collections import defaultdict
 
 
-from certify.budgets import Budgets
+from certify.lists.budgets import Budgets
 from certify.lists.records import HEADER, LIST_FORMAT, TIERS
 from certify.lists.risk import Item, build_items, gate_cost
 from certify.lists.selection import Inputs, Selection, generate, select

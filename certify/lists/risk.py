@@ -9,7 +9,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 
-from certify.budgets import Budgets
+from certify.lists.budgets import Budgets
 
 # ------------------------------------------------------------------------------ items with cost and risk
 

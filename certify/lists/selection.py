@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from certify.budgets import Budgets, load_budgets, pin_errors
+from certify.lists.budgets import Budgets, load_budgets, pin_errors
 from certify.lists.records import TIERS, load_durations, load_items
 from certify.lists.risk import Item, build_items, feature_weight_total, reach_index
-from certify.utf8 import read_utf8
+from certify.files.utf8 import read_utf8
 
 # ------------------------------------------------------------------------------ selection
 

@@ -38,10 +38,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from certify.catalog import Catalog
-from certify.plan import targets, variants_of_cell
+from certify.catalog.load import Catalog
+from certify.catalog.plan import targets, variants_of_cell
 from certify.reach.tracing import AxisReach, Mode, ReachFile
-from certify.schema import Cell, OpFile
+from certify.catalog.schema import Cell, OpFile
 
 Severity = Literal["fail", "warn", "info"]
 

@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
-from certify.fileproblem import FileProblem
-from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
+from certify.files.problem import FileProblem
+from certify.files.yamlfile import field_name, load_validated, locate
 
 
 class ScenarioBase(BaseModel):
@@ -34,16 +34,9 @@ def load_scenarios(path: Path, model: type[ScenarioBase]) -> list[ScenarioBase]:
     """Every scenario of the file, validated by the target's ``model``; ``FileProblem`` on the first
     problem (file, line, field)."""
     path = Path(path)
-    try:
-        data, lines = load_mapping(path)
-    except YamlProblem as p:
-        raise FileProblem(path, p.line, p.field, p.message) from None
     file_model = create_model("ScenarioFile", __config__=ConfigDict(extra="forbid"),
                               scenarios=(list[model], Field(min_length=1)))
-    try:
-        parsed = file_model.model_validate(data)
-    except ValidationError as e:
-        raise FileProblem(path, *first_problem(e, lines)) from None
+    parsed, lines = load_validated(path, file_model)
     seen: set[str] = set()
     for i, sc in enumerate(parsed.scenarios):
         if sc.name in seen:

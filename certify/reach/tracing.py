@@ -31,11 +31,11 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-from certify.archs import is_runtime_arch
-from certify.catalog import Catalog, load_catalog
-from certify.harness import resolve
+from certify.harness.archs import is_runtime_arch
+from certify.catalog.load import Catalog, load_catalog
+from certify.harness.target import resolve
 from certify.reach.scenarios import ScenarioBase, load_scenarios
-from certify.utf8 import read_utf8
+from certify.files.utf8 import read_utf8
 
 FORMAT = "reach/1"
 AxisValue = int | str | bool

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import yaml
 
-from certify.catalog import Catalog, load_catalog
-from certify.plan import targets
-from certify.receipts import Receipt, freshness, load_receipts
+from certify.catalog.load import Catalog, load_catalog
+from certify.catalog.plan import targets
+from certify.receipts.store import Receipt, freshness, load_receipts
 
 MOVED = 0.10            # a measured error that moved by more than 10 % of its base value
 SHOWN = 3               # items named on the first screen, per section
@@ -74,7 +74,7 @@ class Snapshot:
 
 
 def layout_of(paths) -> dict[str, str]:
-    """The snapshot's paths relative to the project root (certify.paths.ProjectPaths)."""
+    """The snapshot's paths relative to the project root (certify.files.paths.ProjectPaths)."""
     rel = lambda p: str(Path(p).relative_to(paths.root))  # noqa: E731
     return {"cells": rel(paths.cells), "receipts": rel(paths.receipts), "reach": rel(paths.reach),
             "gates": rel(Path(paths.reports) / "gates"), "lists": rel(paths.lists)}
@@ -199,7 +199,7 @@ def compare(base: Snapshot, head: Snapshot) -> Diff:
     certified = [[_name(k), before.get(k, "absent"), s] for k, s in sorted(now.items())
                  if s == "certified" and before.get(k) != "passed"]
     failing = [[_name(k), before.get(k, "absent"), s] for k, s in sorted(now.items())
-               if s in ("failed", "invalid") and before.get(k) == "passed"]
+               if s in ("failed", "invalid", "unexpected pass") and before.get(k) == "passed"]
     stale = [[_name(k), before.get(k, "absent"), s] for k, s in sorted(now.items())
              if s == "stale"]
     added = [[_name(k), "absent", s] for k, s in sorted(now.items()) if k not in before]

@@ -12,10 +12,10 @@ from typing import TYPE_CHECKING
 
 from tabulate import tabulate
 
-from certify.catalog import Catalog
+from certify.catalog.load import Catalog
 from certify.reach import ReachFile
 from certify.reach.claims import NEAR, Finding, _cells_for
-from certify.schema import OpFile
+from certify.catalog.schema import OpFile
 
 if TYPE_CHECKING:
     from certify.report.rows import Row

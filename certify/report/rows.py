@@ -10,13 +10,15 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from certify.catalog import Catalog
-from certify.plan import targets
-from certify.receipts import Receipt, freshness
-from certify.schema import OpFile
+from certify.catalog.load import Catalog
+from certify.catalog.plan import targets
+from certify.receipts.store import Receipt, freshness
+from certify.catalog.schema import OpFile
 
 
-STATUSES = ("certified", "failed", "stale", "invalid", "not run")
+STATUSES = ("certified", "expected failure", "unexpected pass", "failed", "stale", "invalid",
+            "not run")
+MEASURED = ("certified", "expected failure", "unexpected pass", "failed")  # a fresh receipt's result
 ARCH_ORDER = ("cpu", "cpu-interpret", "sm_90", "sm_100", "sm_103")
 
 
@@ -111,7 +113,7 @@ def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Rec
 def project_rows(paths, catalog: Catalog) -> list[Row]:
     """The rows as ``certify report`` writes them: the project's receipts, tiers from its lists."""
     from certify.lists.records import list_tiers  # noqa: PLC0415
-    from certify.receipts import load_receipts  # noqa: PLC0415
+    from certify.receipts.store import load_receipts  # noqa: PLC0415
 
     cells = Path(paths.cells)
     root = Path(paths.root)

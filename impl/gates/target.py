@@ -28,7 +28,7 @@ from typing import Any, Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
-from certify.archs import runtime_arch
+from certify.harness.archs import runtime_arch
 from certify.gating.files import EvalSetInfo, TaskResult
 from impl.model.admission import Request
 from impl.model.engine_config import EngineConfig, SpeculativeConfig, check

@@ -20,11 +20,11 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from certify.catalog import Catalog
-from certify.harness import resolve
-from certify.rules import RuleError, evaluate
-from certify.requirements import missing
-from certify.schema import OpFile, Variant
+from certify.catalog.load import Catalog
+from certify.harness.target import resolve
+from certify.catalog.rules import RuleError, evaluate
+from certify.harness.requirements import missing
+from certify.catalog.schema import OpFile, Variant
 
 
 @dataclass(frozen=True)

@@ -52,12 +52,12 @@ from typing import Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from certify.archs import cuda_arch
-from certify.catalog import Catalog, load_catalog
-from certify.paths import project_paths
-from certify.plan import variants_of_cell
-from certify.rules import RuleError, evaluate
-from certify.schema import Cell, OpFile
+from certify.harness.archs import cuda_arch
+from certify.catalog.load import Catalog, load_catalog
+from certify.files.paths import project_paths
+from certify.catalog.plan import variants_of_cell
+from certify.catalog.rules import RuleError, evaluate
+from certify.catalog.schema import Cell, OpFile
 from spec.config import ModelConfig
 
 ModelPreset = Literal["target", "tiny"]
@@ -206,7 +206,7 @@ def _moe_backend(c: EngineConfig, ctx: RuleContext) -> str | None:
 def _state_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
     if c.state_dtype == "fp16":
         return ("fp16 recurrent state is refused: the GDN state is stored in fp32 or bf16 only "
-                "(MATH.md), and no cell certifies an fp16 state pool")
+                "(docs/spec.md, \"GDN layer\"), and no cell certifies an fp16 state pool")
     return _unsupported_dtype(c.state_dtype, "state_dtype", ctx)
 
 
@@ -490,7 +490,7 @@ def route(config: EngineConfig, ctx: RuleContext | None = None) -> RoutePlan:
 
 
 def _receipt_summary(op: OpFile, variant: str, arch: str, book: dict) -> str:
-    from certify.receipts import freshness
+    from certify.receipts.store import freshness
 
     cells = [cell for cell in op.cells if _cell_serves(op, cell, variant, arch)]
     if not cells:
@@ -536,7 +536,7 @@ def explain(config: EngineConfig, ctx: RuleContext | None = None,
             _, why = certifying_cell(config, ctx.catalog.ops[name], ctx.arch)
             lines.append(f"  {name}: certified by {why}")
     if receipts is None:
-        from certify.receipts import load_receipts
+        from certify.receipts.store import load_receipts
         receipts = load_receipts(project_paths().receipts)
     book = receipts.get(ctx.arch, {})
     plan = route(config, ctx)

@@ -1,4 +1,4 @@
-"""The engine's per-request state as the replay oracle compares it (certify/replay.py).
+"""The engine's per-request state as the replay oracle compares it (certify/harness/replay.py).
 
 Physical pages differ between two runs that allocated different numbers of pages, so the view is
 logical: a request's tokens by position (through its block table), its blocks by index. Pieces:
@@ -20,7 +20,7 @@ from typing import Iterable
 
 import torch
 
-from certify.replay import Piece, StateView
+from certify.harness.replay import Piece, StateView
 from impl.model.cache import PAGE, GDNPool
 from impl.model.engine import Engine
 from spec.ops.qsa import QsaPlanes

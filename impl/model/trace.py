@@ -35,10 +35,10 @@ from typing import Literal
 import torch
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from certify.catalog import Catalog
+from certify.catalog.load import Catalog
 from certify.reach import Mode, ModeTrace
 from certify.reach.scenarios import ScenarioBase
-from certify.schema import Variant
+from certify.catalog.schema import Variant
 from impl.model.cache import PAGE, EngineCache, GDNPool, scrub_pages, truncate_planes
 from impl.model.dispatch import DispatchError, Dispatcher, OpCall
 from impl.model.engine_config import EngineConfig, RuleContext, SpeculativeConfig, check

@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import DTYPES, distinct_slots, randn, uniform
 
 ACT = torch.bfloat16

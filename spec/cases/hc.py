@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import randn
 from spec.ops.hc import hc_first_projection, hc_inject_norm, sinkhorn
 

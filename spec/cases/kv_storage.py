@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import DTYPES, randn
 from spec.ops.kv_storage import (
     E2M1_GRID,

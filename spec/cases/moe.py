@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import randn
 from spec.ops.kv_storage import FP8_DTYPE, nvfp4_global_scale
 from spec.ops.moe import (

@@ -10,7 +10,7 @@ import math
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import DTYPES, randn
 from spec.ops.mtp import acceptance_length, greedy_verify, rollback_commit
 

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import DTYPES, randn
 from spec.config import ModelConfig
 from spec.ops.ple import NgramHashConfig, is_prime, ple_embed, ple_ngram_hash

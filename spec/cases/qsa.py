@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import DTYPES, randn
 from spec.ops.kv_storage import (fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load,
                                  nvfp4_quantize)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from certify.harness import Case, OutSpec
+from certify.harness.target import Case, OutSpec
 from spec.cases.common import DTYPES, randn
 
 MAX_POSITION = 131_071  # the last position of a 131K context

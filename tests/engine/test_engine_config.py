@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from certify.catalog import Catalog
+from certify.catalog.load import Catalog
 from impl.model import cli
 from impl.model.engine_config import (RULES, ConfigRefused, EngineConfig, RuleContext,
                                       SpeculativeConfig, check, default_context, explain, route)
@@ -67,7 +67,7 @@ def test_state_dtype_fp16_refused():
     r = only(EngineConfig(state_dtype="fp16"))
     assert r.rule == "state_dtype_supported"
     assert r.reason == ("fp16 recurrent state is refused: the GDN state is stored in fp32 or bf16 only "
-                        "(MATH.md), and no cell certifies an fp16 state pool")
+                        "(docs/spec.md, \"GDN layer\"), and no cell certifies an fp16 state pool")
 
 
 def test_static_draft_length():

@@ -11,7 +11,7 @@ from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, be
 import pytest
 import torch
 
-from certify.oracles import bitwise, tolerance
+from certify.harness.oracles import bitwise, tolerance
 from impl.model.dispatch import Dispatcher
 from impl.model.engine_config import _project_catalog
 from impl.model.ops import Ops

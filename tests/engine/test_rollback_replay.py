@@ -19,7 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from certify.replay import assert_replay_equal, compare_states
+from certify.harness.replay import assert_replay_equal, compare_states
 from impl.model import engine as engine_mod
 from impl.model.admission import Request
 from impl.model.engine import Engine

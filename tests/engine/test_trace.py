@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from certify.catalog import load_catalog
-from certify.paths import project_paths
+from certify.catalog.load import load_catalog
+from certify.files.paths import project_paths
 from certify.reach import Mode
 from impl.model.admission import Request
 from impl.model.engine import Engine
@@ -77,7 +77,7 @@ def test_index_share_removes_the_draft_layers_own_selection_for_the_trunks_rows(
 
 
 def test_a_mode_the_engine_refuses_is_recorded_with_the_rules_reason():
-    from certify.catalog import Catalog
+    from certify.catalog.load import Catalog
 
     sc = Scenario(name="s", why="batch-invariant on a GPU arch", decode=[{"requests": 1,
                                                                          "context": 64}])

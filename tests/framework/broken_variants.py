@@ -20,3 +20,9 @@ def decode_beta_sign_flipped_at_batch_32(q, k, v, a, b, A_log, dt_bias, z, norm_
     if q.shape[0] == 32:
         b = -b
     torch_ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out=out)
+
+
+def gated_rmsnorm_one_percent_high(o, z, w, *, out) -> None:
+    """The gated norm, every element 1 % too large."""
+    torch_ops.gated_rmsnorm(o, z, w, out=out)
+    out.mul_(1.01)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from certify.fileproblem import FileProblem
-from certify.catalog import load_catalog, load_op_file
+from certify.files.problem import FileProblem
+from certify.catalog.load import load_catalog, load_op_file
 
 GOOD = textwrap.dedent("""\
     op: {op}

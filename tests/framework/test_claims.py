@@ -1,9 +1,9 @@
 """The catalog's claims about this target's tests and files (the reach claims, the cell rules and the
 certifying check are in test_reach.py)."""
 
-from certify.catalog import load_catalog
-from certify.claims import marked_tests
-from certify.paths import project_paths
+from certify.catalog.load import load_catalog
+from certify.catalog.claims import marked_tests
+from certify.files.paths import project_paths
 
 PATHS = project_paths()
 

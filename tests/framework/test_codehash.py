@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from certify import codehash
-from certify.catalog import load_catalog
-from certify.codehash import ORACLE_MODULES, code_form, content_hash, module_closure
-from certify.paths import project_paths
-from certify.receipts import freshness, load_receipts
+from certify.receipts import codehash
+from certify.catalog.load import load_catalog
+from certify.receipts.codehash import ORACLE_MODULES, code_form, content_hash, module_closure
+from certify.files.paths import project_paths
+from certify.receipts.store import freshness, load_receipts
 
 PATHS = project_paths()
 
@@ -76,7 +76,7 @@ def reworded(source: str) -> str:
 
 def test_rewording_prose_keeps_every_hashed_module_s_code_form(catalog):
     mods = _hashed_modules(catalog)
-    assert len(mods) > 20 and {"certify.oracles", "certify.harness"} <= mods
+    assert len(mods) > 20 and {"certify.harness.oracles", "certify.harness.target"} <= mods
     for name in sorted(mods):
         source = codehash.project_module_file(name).read_text()
         edited = reworded(source)
@@ -90,7 +90,7 @@ def test_rewording_prose_keeps_every_hashed_module_s_code_form(catalog):
     lambda s: s.replace("def ", "def edited_", 1),        # a renamed function
 ])
 def test_any_code_edit_changes_the_code_form(edit):
-    source = (Path(codehash.__file__).parent / "oracles.py").read_text()
+    source = (Path(codehash.__file__).parents[1] / "harness" / "oracles.py").read_text()
     assert code_form(edit(source)) != code_form(source)
 
 
@@ -140,7 +140,7 @@ def edited_module(monkeypatch, tmp_path):
     module_closure.cache_clear()
 
 
-@pytest.mark.parametrize("module", ["spec.numerics", "certify.oracles"])
+@pytest.mark.parametrize("module", ["spec.numerics", "certify.harness.oracles"])
 def test_a_prose_edit_leaves_every_committed_receipt_fresh(catalog, receipts, edited_module, module):
     before = {k: freshness(r, catalog.ops[k[1]], k[2], catalog.ops[k[1]].cell(k[3]))
               for k, r in receipts.items()}

@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from certify.paths import project_paths
+from certify.files.paths import project_paths
 
 # (ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, what torch reports when the CPU has it)
 CAPABILITIES = [
@@ -26,10 +26,10 @@ CAPABILITIES = [
 
 _SCRIPT = r"""
 import json, sys, torch
-from certify.catalog import load_catalog
-from certify.harness import certify_cell
-from certify.paths import project_paths
-from certify.plan import targets
+from certify.catalog.load import load_catalog
+from certify.harness.target import certify_cell
+from certify.files.paths import project_paths
+from certify.catalog.plan import targets
 catalog = load_catalog(project_paths().cells)
 out = {"capability": str(torch.backends.cpu.get_cpu_capability()), "results": []}
 for op in catalog.ops.values():

@@ -11,7 +11,7 @@ import yaml
 
 from certify.cli import main
 from certify.report.diff import Snapshot, compare, layout_of, render
-from certify.paths import project_paths
+from certify.files.paths import project_paths
 
 PATHS = project_paths()
 LAYOUT = layout_of(PATHS)

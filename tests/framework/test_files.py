@@ -17,20 +17,20 @@ from types import SimpleNamespace
 
 import pytest
 
-from certify import atomic
-from certify.fileproblem import FileProblem
-from certify.budgets import load_budgets, pin_errors
-from certify.callables import callable_errors
-from certify.catalog import load_catalog, load_op_file
+from certify.files import atomic
+from certify.files.problem import FileProblem
+from certify.lists.budgets import load_budgets, pin_errors
+from certify.catalog.callables import callable_errors
+from certify.catalog.load import load_catalog, load_op_file
 from certify.gating.files import ReferenceStore, load_gate_file
-from certify.harness import Outcome
+from certify.harness.target import Outcome
 from certify.lists import load_inputs, load_items
-from certify.paths import project_paths
-from certify.plan import targets
-from certify.receipts import Receipt, load_receipts, make_receipt, prune_receipts, write_receipts
-from certify.runner import run_targets
+from certify.files.paths import project_paths
+from certify.catalog.plan import targets
+from certify.receipts.store import Receipt, load_receipts, make_receipt, prune_receipts, write_receipts
+from certify.harness.runner import run_targets
 from certify.reach.scenarios import ScenarioBase, load_scenarios
-from certify.utf8 import NotUtf8Error
+from certify.files.utf8 import NotUtf8Error
 from tests.framework.test_catalog_errors import GOOD
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -183,7 +183,7 @@ def test_a_file_size_limit_leaves_the_old_file_intact(tmp_path):
     child = textwrap.dedent("""\
         import resource, sys
         resource.setrlimit(resource.RLIMIT_FSIZE, (2048, 2048))
-        from certify.atomic import atomic_write_text
+        from certify.files.atomic import atomic_write_text
         try:
             atomic_write_text(sys.argv[1], "new line\\n" * 2000)
         except OSError as e:
@@ -216,7 +216,7 @@ def test_an_interrupted_run_keeps_the_receipts_of_the_targets_it_finished(tmp_pa
             raise KeyboardInterrupt
         return Outcome("passed", {"out.ulp": 0.0})
 
-    monkeypatch.setattr("certify.runner.certify_cell", certify_cell)
+    monkeypatch.setattr("certify.harness.runner.certify_cell", certify_cell)
     with pytest.raises(KeyboardInterrupt):
         run_targets(chosen, tmp_path, show_progress=False)
     books = load_receipts(tmp_path)

@@ -2,13 +2,13 @@
 
 import re
 
-from certify.archs import present_archs
-from certify.catalog import load_catalog
+from certify.harness.archs import present_archs
+from certify.catalog.load import load_catalog
 from certify.cli import schema_text
-from certify.paths import project_paths
-from certify.plan import targets
+from certify.files.paths import project_paths
+from certify.catalog.plan import targets
 from certify.reach import load_reach
-from certify.receipts import freshness, load_receipts
+from certify.receipts.store import freshness, load_receipts
 from certify.report import project_guards, project_rows, render_all, report_extras
 
 PATHS = project_paths()
@@ -22,7 +22,8 @@ def test_the_cell_schema_export_is_current():
 
 
 def test_cpu_receipts_are_fresh_and_passing():
-    """Every certification on a CPU arch has a receipt for the code as it is, and it passed."""
+    """Every certification on a CPU arch has a receipt for the code as it is, and it passed (or failed
+    where its cell declares it to)."""
     cat = load_catalog(PATHS.cells)
     books = load_receipts(PATHS.receipts)
     cpu_archs = {"cpu", "cpu-interpret"} & set(present_archs())
@@ -32,7 +33,7 @@ def test_cpu_receipts_are_fresh_and_passing():
             if t.arch in cpu_archs:
                 r = books.get(t.arch, {}).get((op.op, t.variant.name, t.cell.id))
                 s = freshness(r, op, t.variant.name, t.cell, t.arch)
-                if s != "certified":
+                if s not in ("certified", "expected failure"):
                     bad.append(f"{t.name}: {s}")
     assert not bad, f"{len(bad)} CPU certification(s) not current ({REGENERATE}):\n" + "\n".join(bad)
 

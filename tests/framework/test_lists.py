@@ -7,10 +7,10 @@ import sys
 
 import pytest
 
-from certify.fileproblem import FileProblem
-from certify.budgets import load_budgets
+from certify.files.problem import FileProblem
+from certify.lists.budgets import load_budgets
 from certify.lists import build_items, generate, items_text, list_tiers, load_inputs, render_all, sweep
-from certify.paths import project_paths
+from certify.files.paths import project_paths
 from certify.pytest_plugin import UNIVERSE
 
 PATHS = project_paths()

@@ -43,7 +43,7 @@ def _file_line_field_errors(root: Path) -> list[str]:
 
 
 def test_bad_input_has_one_error_class():
-    assert _file_line_field_errors(Path(certify.__file__).parent) == ["fileproblem.py:FileProblem"]
+    assert _file_line_field_errors(Path(certify.__file__).parent) == ["files/problem.py:FileProblem"]
 
 
 def test_the_error_class_check_sees_a_second_one(tmp_path):

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from certify import oracles
+from certify.harness import oracles
 
 
 def test_ulp_of_normal_values_is_the_dtype_spacing():

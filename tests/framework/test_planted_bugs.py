@@ -2,12 +2,12 @@
 
 import pytest
 
-from certify.catalog import Catalog, load_op_file
-from certify.harness import build_case, certify_cell, run_spec
-from certify.paths import project_paths
-from certify.receipts import make_receipt
+from certify.catalog.load import Catalog, load_op_file
+from certify.harness.target import build_case, certify_cell, run_spec
+from certify.files.paths import project_paths
+from certify.receipts.store import make_receipt
 from certify.report import build_rows, op_markdown
-from certify.schema import Variant
+from certify.catalog.schema import Variant
 from spec.ops import gdn
 
 CELLS = project_paths().cells

@@ -11,9 +11,9 @@ import warnings
 
 import pytest
 
-from certify.catalog import Catalog, load_catalog
-from certify.harness import Outcome, certify_cell, certifying_problem
-from certify.paths import project_paths
+from certify.catalog.load import Catalog, load_catalog
+from certify.harness.target import Outcome, certify_cell, certifying_problem
+from certify.files.paths import project_paths
 from certify.reach import load_reach, reach_text, run_trace
 from certify.reach.claims import Finding, _cells_for, catalog_findings, reach_findings
 
@@ -139,7 +139,7 @@ def test_removing_the_only_cover_of_a_reached_variant_fails_naming_op_variant_an
 def test_a_note_naming_the_variant_turns_the_failure_into_a_declared_gap(catalog, reach):
     op_name, variant, _, cell, _ = _only_covers(catalog, reach)
     op = catalog.ops[op_name]
-    from certify.schema import NotCertified
+    from certify.catalog.schema import NotCertified
     note = NotCertified(what="the variant after its cell was removed", why="a test of the claim",
                         variants=(variant,))
     planted = Catalog(ops={**catalog.ops, op_name: op.model_copy(update={

@@ -5,11 +5,11 @@ from pathlib import Path
 
 import pytest
 
-from certify.catalog import load_op_file
-from certify.harness import Outcome, certify_cell
-from certify.paths import project_paths
-from certify.codehash import content_hash
-from certify.receipts import (
+from certify.catalog.load import load_op_file
+from certify.harness.target import Outcome, certify_cell
+from certify.files.paths import project_paths
+from certify.receipts.codehash import content_hash
+from certify.receipts.store import (
     evidence_problems,
     freshness,
     load_receipts,
@@ -101,7 +101,7 @@ def test_changing_the_variant_entry_makes_the_receipt_stale(op):
 
 def test_the_hash_covers_the_source_of_the_modules_involved(op, monkeypatch):
     """Editing any project module the spec imports (here spec.numerics) changes the hash."""
-    from certify import codehash
+    from certify.receipts import codehash
 
     cell = op.cells[0]
     before = content_hash(op, "torch", cell)
@@ -137,7 +137,7 @@ def test_receipt_files_keep_the_latest_record_per_key(op, tmp_path: Path):
 
 
 def test_pruning_drops_only_the_receipts_of_targets_that_are_gone(op, tmp_path: Path):
-    from certify.receipts import prune_receipts
+    from certify.receipts.store import prune_receipts
 
     a, b = op.cells[0], op.cells[1]
     kept = make_receipt(op, "torch", a, "cpu", Outcome("passed"))

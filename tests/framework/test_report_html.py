@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from certify.catalog import load_catalog
-from certify.paths import project_paths
-from certify.plan import targets
+from certify.catalog.load import load_catalog
+from certify.files.paths import project_paths
+from certify.catalog.plan import targets
 from certify.reach import load_reach
-from certify.receipts import Receipt, freshness, load_receipts
+from certify.receipts.store import Receipt, freshness, load_receipts
 from certify.report import SITE_DIR, Row, project_guards, project_rows, render_all, report_extras
 
 PATHS = project_paths()

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from certify.catalog import load_catalog
-from certify.paths import project_paths
+from certify.catalog.load import load_catalog
+from certify.files.paths import project_paths
 from certify.report import Row, _measured, op_summary
 
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import yaml
 
-from certify.catalog import load_op_file
-from certify.harness import Outcome
-from certify.paths import project_paths
-from certify.plan import Target
-from certify.receipts import load_receipts, make_receipt
-from certify.requirements import missing, required, why_skipped
-from certify.runner import run_targets
+from certify.catalog.load import load_op_file
+from certify.harness.target import Outcome
+from certify.files.paths import project_paths
+from certify.catalog.plan import Target
+from certify.receipts.store import load_receipts, make_receipt
+from certify.harness.requirements import missing, required, why_skipped
+from certify.harness.runner import run_targets
 
 OP = project_paths().cells / "gated_rmsnorm.yaml"
 ABSENT = "no_such_package_for_certify_tests"
@@ -60,7 +60,7 @@ def test_a_receipt_records_the_required_packages_version():
 
 
 def test_the_engine_does_not_dispatch_to_a_variant_whose_package_is_absent():
-    from certify.catalog import Catalog
+    from certify.catalog.load import Catalog
     from impl.model.dispatch import Dispatcher
     op = _op_with("peer_absent")
     present = Dispatcher(Catalog(ops={op.op: load_op_file(OP)}), "cpu")

@@ -1,6 +1,6 @@
 import pytest
 
-from certify.rules import RuleError, evaluate, rule_names
+from certify.catalog.rules import RuleError, evaluate, rule_names
 
 
 def test_rules_evaluate_over_axes():

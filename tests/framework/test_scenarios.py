@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 from pydantic import Field
 
-from certify.paths import project_paths
+from certify.files.paths import project_paths
 from certify.reach import load_tracer
-from certify.fileproblem import FileProblem
+from certify.files.problem import FileProblem
 from certify.reach.scenarios import ScenarioBase, load_scenarios
 
 PATHS = project_paths()

@@ -1,8 +1,6 @@
 """docs/spec.md is the prose definition of spec/, and the repository's citations of it resolve.
 
-- No file of the repository names the prose definition by a file that does not exist (``OLD_NAME``),
-  except the user-facing string literals listed in ``PENDING_LITERALS`` (and what is generated from
-  them), which their owners change with the code that prints them.
+- No file of the repository names the prose definition by a file that does not exist (``OLD_NAME``).
 - A citation that names a section, ``docs/spec.md, "<heading>"`` (the comma is optional; a heading
   with a colon may be cited by its words before the colon; several sections may follow, joined by
   ``and`` / ``or`` / a comma), names a ``##`` or ``###`` heading of docs/spec.md; ``"<heading>" item N``
@@ -21,19 +19,6 @@ ROOT = Path(__file__).resolve().parents[2]
 SPEC_DOC = ROOT / "docs" / "spec.md"
 SELF = Path(__file__).resolve()
 OLD_NAME = "MATH" + ".md"  # spelled in two pieces so that this file does not match itself
-
-# (path, fragment of the line): printed string literals that still carry OLD_NAME, and the generated
-# text made from them. Remove an entry once its line no longer names OLD_NAME.
-PENDING_LITERALS = (
-    ("spec/report.py", f'f"{OLD_NAME}\'s figure 48 x 128 x 128 x 4 B x 36'),
-    ("reports/coverage.md", f"{OLD_NAME}'s figure 48 x 128 x 128 x 4 B x 36"),
-    ("spec/config.py", f"page) size is fixed by {OLD_NAME} and spec/ops/qsa.py"),
-    ("spec/config.py", f'"must lie in 1..7 ({OLD_NAME})"'),
-    ("impl/model/engine_config.py", f'"({OLD_NAME}), and no cell certifies an fp16 state pool"'),
-    ("tests/engine/test_engine_config.py", f'"({OLD_NAME}), and no cell certifies an fp16 state pool"'),
-    ("certify/schema.py", f"(its low-precision path, with {OLD_NAME}'s rounding points)"),
-    ("certify/schema/cells.schema.json", f"(its low-precision path, with {OLD_NAME}'s rounding points)"),
-)
 
 _SKIP_DIRS = {".git", "__pycache__", ".hypothesis", ".pytest_cache", ".venv", "build"}
 _HEADING = re.compile(r"^(#{2,3}) +(.+?) *$", re.M)
@@ -83,10 +68,9 @@ def texts() -> dict[str, str]:
 # ------------------------------------------------------------------------------------------ checks
 
 def old_name_errors(rel: str, text: str) -> list[str]:
-    """'file:line' of every line of ``text`` that names OLD_NAME and is not a pending literal."""
-    allowed = [fragment for path, fragment in PENDING_LITERALS if path == rel]
+    """'file:line' of every line of ``text`` that names OLD_NAME."""
     return [f"{rel}:{n}: {line.strip()}" for n, line in enumerate(text.splitlines(), 1)
-            if OLD_NAME in line and not any(fragment in line for fragment in allowed)]
+            if OLD_NAME in line]
 
 
 def sections(doc: str) -> dict[str, str]:
@@ -150,14 +134,6 @@ def test_no_file_cites_the_old_name():
     assert not errors, (f"cite docs/spec.md, not {OLD_NAME}:\n  " + "\n  ".join(errors))
 
 
-def test_the_pending_literals_are_still_pending():
-    """An entry of PENDING_LITERALS whose line is gone or fixed is removed, so the list stays true."""
-    all_texts = texts()
-    stale = [f"{path}: {fragment}" for path, fragment in PENDING_LITERALS
-             if fragment not in all_texts.get(path, "")]
-    assert not stale, "remove these entries from PENDING_LITERALS:\n  " + "\n  ".join(stale)
-
-
 def test_every_section_citation_names_a_heading_of_docs_spec():
     known = sections(SPEC_DOC.read_text())
     all_texts = texts()
@@ -187,4 +163,3 @@ def test_the_checks_fail_on_bad_text():
     assert citation_errors("f.py", 'docs/spec.md, "Hyper-connections" steps 1-5', known) == [
         'f.py:1: "Hyper-connections" has no item [5] in docs/spec.md']
     assert old_name_errors("a.py", f"x\n# see {OLD_NAME}, QSA\n") == [f"a.py:2: # see {OLD_NAME}, QSA"]
-    assert old_name_errors("spec/report.py", f'    f"{OLD_NAME}\'s figure 48 x 128 x 128 x 4 B x 36') == []

@@ -5,13 +5,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from certify.catalog import load_catalog
+from certify.catalog.load import load_catalog
 from certify.cli import main
-from certify.harness import certify_cell
-from certify.paths import project_paths
-from certify.plan import targets
-from certify.receipts import library_versions, make_receipt, write_receipts
-from certify.verify import (
+from certify.harness.target import certify_cell
+from certify.files.paths import project_paths
+from certify.catalog.plan import targets
+from certify.receipts.store import library_versions, make_receipt, write_receipts
+from certify.receipts.verify import (
     CONFIRMED,
     CONFIRMED_BAND,
     MISMATCH,
@@ -99,7 +99,7 @@ def test_the_command_exits_1_on_a_mismatch(target, receipt, tmp_path: Path, monk
 
 _BLAS_PROBE = """
 import hashlib, json, numpy as np
-from certify.receipts import library_versions
+from certify.receipts.store import library_versions
 a = np.random.default_rng(0).standard_normal((64, 512), dtype=np.float32)
 print(json.dumps({"versions": library_versions(), "bits": hashlib.md5((a @ a.T).tobytes()).hexdigest()}))
 """

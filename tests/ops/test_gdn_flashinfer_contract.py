@@ -14,9 +14,9 @@ import types
 import pytest
 import torch
 
-from certify.catalog import load_op_file
-from certify.harness import certify_cell
-from certify.paths import project_paths
+from certify.catalog.load import load_op_file
+from certify.harness.target import certify_cell
+from certify.files.paths import project_paths
 from impl.kernels.gdn import flashinfer_ops
 from spec.ops import gdn
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from certify.oracles import tolerance
+from certify.harness.oracles import tolerance
 from impl.kernels.gdn import torch_ops, triton_chunked
 from spec.ops import gdn
 

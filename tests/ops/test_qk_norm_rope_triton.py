@@ -11,7 +11,7 @@ from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, be
 import pytest
 import torch
 
-from certify.oracles import tolerance
+from certify.harness.oracles import tolerance
 from impl.kernels.norms import triton_qk_norm_rope as kernel
 from spec.cases.rope import qk_norm_rope_case
 from spec.ops import rope

@@ -8,7 +8,7 @@ from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, be
 import pytest
 import torch
 
-from certify.oracles import tolerance
+from certify.harness.oracles import tolerance
 from impl.kernels.qsa.triton_index import index_scores
 from spec.cases.qsa import index_scores_case
 from spec.ops.qsa import qsa_index_scores

@@ -14,8 +14,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from certify.harness import run_spec, run_variant
-from certify.oracles import bitwise, tolerance
+from certify.harness.target import run_spec, run_variant
+from certify.harness.oracles import bitwise, tolerance
 from impl.kernels.qsa import triton_append, triton_index
 from spec.cases.qsa import index_scores_case, index_store_case, kv_append_case
 from spec.ops import kv_storage, qsa

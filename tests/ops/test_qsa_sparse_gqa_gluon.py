@@ -151,8 +151,8 @@ def test_padding_empty_rows_and_idle_splits_on_the_gpu(num_splits) -> None:
     """What decode_b8_8k_nvfp4 does not reach: a token list whose width is not a multiple of the
     32-token tile (a partial last tile), padding inside rows, a row with no token at all, and more
     splits than tiles (splits that only see padding). Band of the cell: 2 ulp, 1 eps."""
-    from certify.harness import run_spec
-    from certify.oracles import tolerance
+    from certify.harness.target import run_spec
+    from certify.harness.oracles import tolerance
     from spec.ops.qsa import qsa_sparse_gqa
 
     axes = dict(step="decode", batch=6, rows=6, context=1500, kv_dtype="nvfp4", act_dtype="bfloat16",

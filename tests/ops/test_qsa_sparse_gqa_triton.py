@@ -17,8 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from certify.harness import run_spec
-from certify.oracles import tolerance
+from certify.harness.target import run_spec
+from certify.harness.oracles import tolerance
 from impl.kernels.qsa import triton_sparse_gqa as tsg
 from spec.cases.qsa import sparse_gqa_case
 from spec.ops import qsa

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from certify.oracles import bitwise, tolerance
+from certify.harness.oracles import bitwise, tolerance
 from impl.kernels.gdn import triton_conv
 from impl.kernels.mtp import triton_logits_cast
 from impl.kernels.norms import triton_rmsnorm

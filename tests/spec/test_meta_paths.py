@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from certify.catalog import load_catalog
-from certify.harness import build_case, resolve
-from certify.paths import project_paths
+from certify.catalog.load import load_catalog
+from certify.harness.target import build_case, resolve
+from certify.files.paths import project_paths
 from impl.model.ops import _moe_shape_only, _select_shape_only
 from spec.config import ModelConfig
 from spec.model import init_weights

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from certify.oracles import tolerance
+from certify.harness.oracles import tolerance
 from impl.kernels.gdn import torch_ops, triton_recurrent
 from spec.ops import gdn
 from spec.ops.norms import gated_rmsnorm

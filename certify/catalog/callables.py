@@ -11,9 +11,9 @@ from __future__ import annotations
 import importlib
 from functools import lru_cache
 
-from certify.catalog import Catalog
-from certify.fileproblem import FileProblem
-from certify.yamlfile import YamlProblem, field_name, load_mapping, locate
+from certify.catalog.load import Catalog
+from certify.files.problem import FileProblem
+from certify.files.yamlfile import YamlProblem, field_name, load_mapping, locate
 
 
 @lru_cache(maxsize=None)

@@ -10,7 +10,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from certify.rules import RuleError, parse_rule, rule_names
+from certify.catalog.rules import RuleError, parse_rule
 
 Arch = Literal["cpu", "cpu-interpret", "sm_90", "sm_100", "sm_103"]
 Tier = Literal["premerge", "postmerge", "ondemand"]
@@ -19,7 +19,7 @@ _IDENT = r"^[a-z][a-z0-9_]*$"
 _CALLABLE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
 
 
-# A field that says why, not what: left out of the content hash (``certify.codehash``), so
+# A field that says why, not what: left out of the content hash (``certify.receipts.codehash``), so
 # rewording it leaves every receipt fresh.
 NOT_HASHED = {"hashed": False}
 
@@ -52,13 +52,13 @@ class Axis(Strict):
 
 
 class Variant(Strict):
-    """One compiled path of the op. ``dispatch`` is the rule impl/ uses to choose it (first match wins,
-    in file order, among the variants that run on the current arch)."""
+    """One compiled path of the op. ``dispatch`` is the rule the target uses to choose it (first
+    match wins, in file order, among the variants that run on the current arch)."""
 
     name: str = Field(pattern=_IDENT)
     impl: str = Field(pattern=_CALLABLE + "|^spec$", description=(
         "module:function of the implementation, or 'spec': the spec function itself run in the "
-        "cell's dtypes (its low-precision path, with MATH.md's rounding points), certified against "
+        "cell's dtypes (its low-precision path, with the spec's rounding points), certified against "
         "its own float64 path"))
     archs: tuple[Arch, ...] = Field(min_length=1)
     dispatch: str = "true"
@@ -111,6 +111,16 @@ class Oracle(Strict):
         return self
 
 
+class ExpectedFailure(Strict):
+    """A (variant, arch) of a cell that is declared to fail, with the reason (pytest's strict xfail):
+    its failing receipt reads ``expected failure``, and a passing one ``unexpected pass``, which
+    ``certify run`` and the report flag until the declaration goes."""
+
+    variant: str
+    arch: Arch
+    why: str = Field(min_length=10, description="why it fails, with the measured figures")
+
+
 class Cell(Strict):
     id: str = Field(pattern=_IDENT)
     axes: dict[str, str | int | bool]
@@ -127,6 +137,13 @@ class Cell(Strict):
         "only for a cell beyond the at-most-three-cells rule of its variants (more when a variant has "
         "more compiled specialisations): what this extra cell adds that their other cells do not"),
         json_schema_extra=NOT_HASHED)
+    expected_failures: tuple[ExpectedFailure, ...] = Field((), description=(
+        "(variant, arch)s of this cell declared to fail, each with its reason; a declaration is not "
+        "evidence and does not enter the receipt's hash"), json_schema_extra=NOT_HASHED)
+
+    def expected_failure(self, variant: str, arch: str) -> ExpectedFailure | None:
+        return next((e for e in self.expected_failures if e.variant == variant and e.arch == arch),
+                    None)
 
 
 class NotCertified(Strict):

@@ -30,7 +30,7 @@ def _find_root(start: Path) -> Path:
         if py.is_file() and "[tool.certify]" in py.read_text():
             return d
     # Installed without a checkout: fall back to the package's parent directory.
-    return Path(__file__).resolve().parent.parent
+    return Path(__file__).resolve().parents[2]
 
 
 @lru_cache(maxsize=None)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterator
 
-from certify.rules import evaluate
-from certify.schema import Cell, OpFile, Variant
+from certify.catalog.rules import evaluate
+from certify.catalog.schema import Cell, OpFile, Variant
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ the CPU), not inside it.
 
 Files: ``<receipts dir>/<arch>.jsonl``, one JSON record a line, the latest record per
 (op, variant, cell), sorted, so re-running a certification rewrites its line in place. A merge reads,
-merges and rewrites a file under the directory's lock, and the rewrite is atomic (``certify.atomic``):
+merges and rewrites a file under the directory's lock, and the rewrite is atomic (``certify.files.atomic``):
 two runs writing at once each keep the other's receipts, and a full disk or a kill leaves the file as
 it was.
 
@@ -35,11 +35,11 @@ from pathlib import Path
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from certify.atomic import atomic_write_bytes, locked
-from certify.codehash import content_hash
-from certify.harness import Outcome, seed_for
-from certify.requirements import versions as required_versions
-from certify.schema import Cell, OpFile
+from certify.files.atomic import atomic_write_bytes, locked
+from certify.receipts.codehash import content_hash
+from certify.harness.target import Outcome, seed_for
+from certify.harness.requirements import versions as required_versions
+from certify.catalog.schema import Cell, OpFile
 
 class Receipt(BaseModel):
     model_config = ConfigDict(extra="ignore")
@@ -336,12 +336,18 @@ def evidence_problems(receipt: Receipt, op: OpFile, cell: Cell, arch: str) -> li
 
 def freshness(receipt: Receipt | None, op: OpFile, variant: str, cell: Cell,
               arch: str | None = None) -> str:
-    """certified | failed | stale | invalid | not run: what a receipt says about the code as it is now
-    (``invalid``: it is no evidence, see ``evidence_problems``; checked when ``arch`` is given)."""
+    """certified | expected failure | unexpected pass | failed | stale | invalid | not run: what a
+    receipt says about the code as it is now (``invalid``: it is no evidence, see
+    ``evidence_problems``; checked when ``arch`` is given). A fresh receipt of a (variant, arch) the
+    cell declares to fail reads ``expected failure`` when it failed and ``unexpected pass`` when it
+    passed."""
     if receipt is None:
         return "not run"
     if receipt.hash != content_hash(op, variant, cell):
         return "stale"
     if evidence_problems(receipt, op, cell, arch or receipt.arch):
         return "invalid"
-    return "certified" if receipt.status == "passed" else "failed"
+    expected = cell.expected_failure(variant, arch or receipt.arch) is not None
+    if receipt.status == "passed":
+        return "unexpected pass" if expected else "certified"
+    return "expected failure" if expected else "failed"

@@ -56,5 +56,5 @@ def device_for(arch: str) -> torch.device:
 
 
 def runtime_arch() -> str:
-    """The arch impl/ dispatches for in this process: the GPU if there is one, else the CPU."""
+    """The arch the target dispatches for in this process: the GPU if there is one, else the CPU."""
     return cuda_arch() or "cpu"

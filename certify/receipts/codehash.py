@@ -11,7 +11,7 @@ a rewritten docstring or a moved blank line leaves every receipt fresh, and any 
 the receipts whose closure holds the module. The tree is written out in a form that is the same under
 every Python the project supports (fields that are empty or None are left out, as newer Pythons add
 such fields). A cell or variant entry counts by its fields less those marked ``hashed: False`` in
-``certify.schema`` (``why``, ``doc``, ``derivation``...).
+``certify.catalog.schema`` (``why``, ``doc``, ``derivation``...).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from certify.paths import project_paths
-from certify.schema import Cell, OpFile
+from certify.files.paths import project_paths
+from certify.catalog.schema import Cell, OpFile
 
-ORACLE_MODULES = ("certify.oracles", "certify.harness")
+ORACLE_MODULES = ("certify.harness.oracles", "certify.harness.target")
 
 
 @lru_cache(maxsize=None)

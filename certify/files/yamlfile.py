@@ -1,5 +1,7 @@
 """YAML data files with line numbers: every loader of the framework reports a problem as file, line and
-field (the cell files, the scenario file, the budgets file, the gate and reference files).
+field (the cell files, the scenario file, the budgets file, the gate and reference files), through one
+validated loader, ``load_validated``: the file's mapping, validated by a pydantic model, or
+``FileProblem`` on the first problem.
 
 Stricter than ``yaml.safe_load`` where a silent choice would hide a mistake: a key repeated in one
 mapping is an error (naming both lines) rather than the last one winning, and a file that is not UTF-8
@@ -8,13 +10,15 @@ is an error naming the line and the byte offset rather than a ``UnicodeDecodeErr
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
-from certify.utf8 import NotUtf8Error, read_utf8
+from certify.files.problem import FileProblem
+from certify.files.utf8 import NotUtf8Error, read_utf8
 
+M = TypeVar("M", bound=BaseModel)
 _CONSTRUCTOR = yaml.SafeLoader("")  # builds Python values from already-composed scalar nodes
 
 
@@ -97,3 +101,17 @@ def first_problem(e: ValidationError, lines: dict[tuple, int]) -> tuple[int, str
     if extra:
         msg += f" (and {extra} more problem{'s' if extra > 1 else ''} in this file)"
     return locate(loc, lines), field_name(loc), msg
+
+
+def load_validated(path: Path, model: type[M]) -> tuple[M, dict[tuple, int]]:
+    """The file validated by ``model``, with the line of every path in it (for the caller's own
+    cross-checks); ``FileProblem`` naming file, line and field on the first problem."""
+    path = Path(path)
+    try:
+        data, lines = load_mapping(path)
+    except YamlProblem as p:
+        raise FileProblem(path, p.line, p.field, p.message) from None
+    try:
+        return model.model_validate(data), lines
+    except ValidationError as e:
+        raise FileProblem(path, *first_problem(e, lines)) from None

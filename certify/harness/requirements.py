@@ -13,12 +13,12 @@ import importlib
 import importlib.util
 from functools import lru_cache
 
-from certify.schema import Variant
+from certify.catalog.schema import Variant
 
 
 @lru_cache(maxsize=None)
 def _declared_in(module: str) -> tuple[str, ...]:
-    from certify.codehash import project_module_file
+    from certify.receipts.codehash import project_module_file
 
     path = project_module_file(module)
     if path is None:

@@ -9,12 +9,15 @@ from pathlib import Path
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from certify.archs import present_archs
-from certify.catalog import Catalog
-from certify.harness import certify_cell
-from certify.plan import Target, targets
-from certify.receipts import Receipt, freshness, load_receipts, make_receipt, write_receipts
-from certify.requirements import why_skipped
+from certify.harness.archs import present_archs
+from certify.catalog.load import Catalog
+from certify.harness.target import certify_cell
+from certify.catalog.plan import Target, targets
+from certify.receipts.store import Receipt, freshness, load_receipts, make_receipt, write_receipts
+from certify.harness.requirements import why_skipped
+
+
+UP_TO_DATE = ("certified", "expected failure")   # fresh receipts that --outdated leaves alone
 
 
 def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | None = None,
@@ -31,7 +34,7 @@ def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | No
                 continue
             if only_outdated:
                 r = books.get(t.arch, {}).get((op.op, t.variant.name, t.cell.id))
-                if freshness(r, op, t.variant.name, t.cell, t.arch) == "certified":
+                if freshness(r, op, t.variant.name, t.cell, t.arch) in UP_TO_DATE:
                     continue
             chosen.append(t)
     return chosen

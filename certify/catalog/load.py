@@ -8,13 +8,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from pydantic import ValidationError
 
-from certify.fileproblem import FileProblem
-from certify.plan import variants_of_cell
-from certify.rules import evaluate, rule_names
-from certify.schema import OpFile
-from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
+from certify.files.problem import FileProblem
+from certify.catalog.plan import targets, variants_of_cell
+from certify.catalog.rules import evaluate, rule_names
+from certify.catalog.schema import OpFile
+from certify.files.yamlfile import field_name, load_validated, locate
 
 
 @dataclass
@@ -88,9 +87,19 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         for j, v in enumerate(cell.variants or ()):
             if v not in variants:
                 return ("cells", i, "variants", j), f"unknown variant {v!r} (known: {sorted(variants)})"
+        for j, e in enumerate(cell.expected_failures):
+            if e.variant not in variants:
+                return (("cells", i, "expected_failures", j, "variant"),
+                        f"unknown variant {e.variant!r} (known: {sorted(variants)})")
     problem = _rule_problem(op)  # before the checks below, which evaluate the rules
     if problem:
         return problem
+    planned = {(t.variant.name, t.cell.id, t.arch) for t in targets(op)}
+    for i, cell in enumerate(op.cells):
+        for j, e in enumerate(cell.expected_failures):
+            if (e.variant, cell.id, e.arch) not in planned:
+                return (("cells", i, "expected_failures", j),
+                        f"{e.variant} is not certified at {cell.id} on {e.arch}: nothing to expect")
     for i, cell in enumerate(op.cells):
         if cell.oracle.kind == "bitwise" and cell.oracle.against == "spec" and any(
                 v.impl == "spec" for v in variants_of_cell(op, cell)):
@@ -105,14 +114,7 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
 def load_op_file(path: Path) -> OpFile:
     """Load and validate one cell file; raise FileProblem (file, line, field) on the first problem."""
     path = Path(path)
-    try:
-        data, lines = load_mapping(path)
-    except YamlProblem as p:
-        raise FileProblem(path, p.line, p.field, p.message) from None
-    try:
-        op = OpFile.model_validate(data)
-    except ValidationError as e:
-        raise FileProblem(path, *first_problem(e, lines)) from None
+    op, lines = load_validated(path, OpFile)
     if op.op != path.stem:
         raise FileProblem(path, locate(("op",), lines), "op",
                            f"op {op.op!r} must match the file name {path.stem!r}")

@@ -10,10 +10,10 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from certify.fileproblem import FileProblem
-from certify.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
+from certify.files.problem import FileProblem
+from certify.files.yamlfile import field_name, load_mapping, load_validated, locate
 
 UNIT_SECONDS = {"cpu_seconds": 1.0, "seconds": 1.0, "gpu_minutes": 60.0, "minutes": 60.0}
 
@@ -111,15 +111,7 @@ def load_budgets(path: Path) -> Budgets:
     path = Path(path)
     if not path.is_file():
         raise FileProblem(path, 1, "(file)", "no budgets file")
-    try:
-        data, lines = load_mapping(path)
-    except YamlProblem as e:
-        raise FileProblem(path, e.line, e.field, e.message) from None
-    try:
-        return Budgets.model_validate(data)
-    except ValidationError as e:
-        line, field, msg = first_problem(e, lines)
-        raise FileProblem(path, line, field, msg) from None
+    return load_validated(path, Budgets)[0]
 
 
 def pin_errors(path: Path, budgets: Budgets, item_ids: set[str]) -> list[FileProblem]:

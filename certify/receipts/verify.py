@@ -23,20 +23,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from certify.archs import present_archs
-from certify.catalog import Catalog
-from certify.harness import Outcome, certify_cell
-from certify.plan import Target, targets
-from certify.codehash import content_hash
-from certify.receipts import (
+from certify.harness.archs import present_archs
+from certify.catalog.load import Catalog
+from certify.harness.target import Outcome, certify_cell
+from certify.catalog.plan import Target, targets
+from certify.receipts.codehash import content_hash
+from certify.receipts.store import (
     CPU_DISPATCH_SETTINGS,
     Receipt,
     evidence_problems,
     library_versions,
     load_receipts,
 )
-from certify.requirements import versions as required_versions
-from certify.requirements import why_skipped
+from certify.harness.requirements import versions as required_versions
+from certify.harness.requirements import why_skipped
 
 CONFIRMED = "confirmed"
 CONFIRMED_BAND = "confirmed (status and band)"
