@@ -4,7 +4,8 @@ Cells (certify/cells/*.yaml) name the shapes and layouts each op's forward reach
 them against the spec and writes receipts, verify re-runs receipts, trace records what the
 model's scenarios reach, lists plans the pre-merge / post-merge / on-demand test lists from cost
 budgets, gates runs the accuracy gates, diff says what a change did to the certification against a
-git revision, and report does what is outdated, then writes reports/."""
+git revision, plan writes the work as units for a scheduler, merge folds receipts written elsewhere
+into the receipts, and report does what is outdated, then writes reports/."""
 
 from __future__ import annotations
 
@@ -138,6 +139,16 @@ def _cmd_trace(args: argparse.Namespace) -> int:
     return rc
 
 
+def _cmd_merge(args: argparse.Namespace) -> int:
+    """Fold worker receipt files into the receipts directory (certify.receipts.merge)."""
+    from certify.receipts.merge import merge, merge_text  # noqa: PLC0415
+
+    paths = project_paths()
+    res = merge(load_catalog(paths.cells), paths.receipts, args.sources, dry_run=args.dry_run)
+    print(merge_text(res, args.dry_run))
+    return 1 if res.conflicts or res.damaged else 0
+
+
 def _cmd_schema(args: argparse.Namespace) -> int:
     from certify.files.atomic import atomic_write_text, locked  # noqa: PLC0415
 
@@ -201,75 +212,6 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(f"{sum(len(b) for b in books.values())} receipt(s) loaded from {len(books)} file(s), "
           f"{len(damaged)} damaged line(s)")
     return 1 if bad or damaged else 0
-
-
-def _cmd_lists(args: argparse.Namespace) -> int:
-    """Generate the test lists (or check them, or explain one item's place), print the tier table."""
-    import subprocess  # noqa: PLC0415
-    import time  # noqa: PLC0415
-
-    from certify.files.atomic import atomic_write_text, locked_all  # noqa: PLC0415
-    from certify.lists import explain, generate, load_inputs, render_all  # noqa: PLC0415
-    from certify.files.utf8 import NotUtf8Error  # noqa: PLC0415
-
-    paths = project_paths()
-    if args.collect:
-        out = paths.lists / "items.json"
-        rc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:xdist",
-                             "--certify-items", str(out)], cwd=paths.root,
-                            stdout=subprocess.DEVNULL).returncode
-        if rc != 0:
-            print(f"collection failed (exit {rc}): run `pytest --collect-only` to see why")
-            return 1
-        print(f"wrote {out.relative_to(paths.root)}")
-    try:
-        inp = load_inputs(paths)
-    except (FileProblem, NotUtf8Error) as e:
-        print(f"error: {e}")
-        return 1
-    t0 = time.perf_counter()
-    sel = generate(inp, budget_premerge=args.budget_premerge)
-    seconds = time.perf_counter() - t0
-    if args.explain:
-        print(explain(sel, inp, args.explain))
-        return 0
-    files = render_all(inp, sel if args.budget_premerge is None else None)
-    report = files["reports/lists.md"]
-    if args.budget_premerge is not None:
-        from certify.lists import report_text, sweep  # noqa: PLC0415
-        report = report_text(inp, sel, sweep(inp))
-    table = report.split("\n## ")[0]
-    print(table.split("\n", 3)[3] if table.startswith("# ") else table)
-    print(f"generated {len(sel.items)} items in {seconds * 1000:.0f} ms")
-    where = {"lists": paths.lists, "reports": paths.reports}
-    stale = []
-    for key, text in sorted(files.items()):
-        base, _, rel = key.partition("/")
-        target = where[base] / rel
-        if not target.is_file() or target.read_bytes() != text.encode():
-            stale.append(target)
-    orphans = [p for p in sorted(paths.lists.glob("shards/*.yml"))
-               if f"lists/shards/{p.name}" not in files]
-    if args.check or args.budget_premerge is not None:
-        if args.budget_premerge is not None:
-            print("(a what-if budget: nothing written)")
-            return 0
-        for t in stale + orphans:
-            print(f"stale: {t.relative_to(paths.root)}")
-        print("the lists are current" if not stale and not orphans else
-              "the lists are stale: run `certify lists` and commit test_lists/ and reports/lists.*")
-        return 1 if stale or orphans else 0
-    with locked_all([paths.lists, paths.reports]):  # one set of lists, whole, per writer
-        for t in orphans:
-            t.unlink(missing_ok=True)
-        for key, text in sorted(files.items()):
-            base, _, rel = key.partition("/")
-            target = where[base] / rel
-            if not target.is_file() or target.read_bytes() != text.encode():
-                atomic_write_text(target, text)
-    print(f"wrote {len(stale)} changed file(s) of {len(files)} under "
-          f"{paths.lists.relative_to(paths.root)}/ and {paths.reports.relative_to(paths.root)}/")
-    return 0
 
 
 def _cmd_verify(args: argparse.Namespace) -> int:
@@ -336,6 +278,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--browser", metavar="PATH",
                    help="the Chromium executable for --screenshot (default: chromium on PATH)")
     r.set_defaults(fn=_cmd_report)
+    m = sub.add_parser("merge", help="fold receipt files written elsewhere (workers, other machines) "
+                                     "into the receipts, idempotently; conflicts fail")
+    m.add_argument("sources", nargs="+", help="receipt files, or folders searched for *.jsonl")
+    m.add_argument("--dry-run", action="store_true", help="say what would change, write nothing")
+    m.set_defaults(fn=_cmd_merge)
     c = sub.add_parser("run", help="certify cells and write receipts")
     c.add_argument("--op", action="append", help="only this op (repeatable; default: every op)")
     c.add_argument("--tier", action="append", choices=TIERS,
@@ -362,21 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     s.set_defaults(fn=_cmd_schema)
     k = sub.add_parser("check", help="load every cell file and report errors")
     k.set_defaults(fn=_cmd_check)
-    ls = sub.add_parser("lists", help="generate the pre-merge / post-merge / on-demand test lists")
-    ls.add_argument("--budget-premerge", type=float, default=None, metavar="S",
-                    help="what if the pre-merge budget were S (its unit): print, write nothing")
-    ls.add_argument("--explain", metavar="ITEM", help="why an item (id or unique part) sits where it does")
-    ls.add_argument("--check", action="store_true", help="compare with the committed lists, write "
-                                                         "nothing; exit 1 when stale")
-    ls.add_argument("--collect", action="store_true", help="first re-collect the item universe "
-                                                           "(test_lists/items.json)")
-    ls.set_defaults(fn=_cmd_lists)
     df = sub.add_parser("diff", help="what the working tree's change did to the certification "
                                      "against a git revision (Markdown for a PR comment)")
     df.add_argument("base", metavar="BASE", help="the git revision to compare with (e.g. main)")
     df.add_argument("--out", metavar="FILE", default=None, help="also write the Markdown to FILE")
     df.set_defaults(fn=_cmd_diff)
-    from certify.gating.cli import add_parser as add_gates_parser  # noqa: E402 (its own module)
+    from certify.gating.cli import add_parser as add_gates_parser  # noqa: PLC0415 (its own module)
+    from certify.lists.cli import add_parser as add_lists_parser  # noqa: PLC0415
+    from certify.lists.cli import add_plan_parser  # noqa: PLC0415
+
+    add_lists_parser(sub)
+    add_plan_parser(sub)
     add_gates_parser(sub)
     args = p.parse_args(argv)
     if not getattr(args, "fn", None):

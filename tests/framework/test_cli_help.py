@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-CLIS = ["certify/cli.py", "certify/gating/cli.py", "impl/model/cli.py"]
+CLIS = ["certify/cli.py", "certify/gating/cli.py", "certify/lists/cli.py", "impl/model/cli.py"]
 
 
 def _options_without_help(source: str) -> list[str]:

@@ -395,12 +395,13 @@ _CONSOLE_SCRIPT = "import sys; from certify.checkout import main; sys.exit(main(
 
 
 def _other_checkout(tmp_path: Path) -> Path:
-    """A clone of the framework's entry (checkout.py, paths.py) with a cli that says whose it is."""
+    """A clone of the framework's entry (checkout.py, files/paths.py) with a cli that says whose it
+    is."""
     root = tmp_path / "clone"
-    (root / "certify").mkdir(parents=True)
+    (root / "certify" / "files").mkdir(parents=True)
     (root / "sub").mkdir()
     (root / "pyproject.toml").write_text('[tool.certify]\ncells = "cells"\n')
-    for name in ("__init__.py", "checkout.py", "paths.py"):
+    for name in ("__init__.py", "checkout.py", "files/__init__.py", "files/paths.py"):
         shutil.copy(ROOT / "certify" / name, root / "certify" / name)
     (root / "certify" / "cli.py").write_text(
         "import sys\n\ndef main(argv=None):\n"

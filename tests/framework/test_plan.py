@@ -1,0 +1,78 @@
+"""``certify plan``: the work as units for a scheduler (certify/lists/units.py), and a Slurm array
+task run by hand, whose receipts ``certify merge`` folds back."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+from certify.catalog.load import load_catalog
+from certify.catalog.plan import targets
+from certify.files.paths import project_paths
+from certify.lists import load_inputs
+from certify.lists.units import plan_json, plan_units, slurm_script
+from certify.receipts.codehash import content_hash
+from certify.receipts.merge import merge
+from certify.receipts.store import load_receipts
+
+PATHS = project_paths()
+
+
+def _plan(books=None, **kw):
+    cat = load_catalog(PATHS.cells)
+    return cat, plan_units(load_inputs(PATHS), cat, load_receipts(PATHS.receipts)
+                           if books is None else books, **kw)
+
+
+def test_every_target_is_one_unit_longest_first_with_its_hash():
+    cat, units = _plan()
+    cells = [u for u in units if u["kind"] == "cell"]
+    expected = {(op.op, t.variant.name, t.cell.id, t.arch) for op in cat.ops.values()
+                for t in targets(op)}
+    got = [(u["op"], u["variant"], u["cell"], u["arch"]) for u in cells]
+    assert sorted(got) == sorted(expected) and len(got) == len(set(got))
+    assert [u["seconds"] for u in units] == sorted((u["seconds"] for u in units), reverse=True)
+    for u in cells[:20]:
+        op = cat.ops[u["op"]]
+        assert u["hash"] == content_hash(op, u["variant"], op.cell(u["cell"]))
+        assert u["gpus"] == (1 if u["arch"].startswith("sm_") else 0)
+    assert any(u["kind"] == "gate" for u in units)
+    data = json.loads(plan_json(units))
+    assert data["totals"]["units"] == len(units)
+
+
+def test_outdated_keeps_only_targets_without_a_fresh_receipt():
+    books = load_receipts(PATHS.receipts)
+    _, fresh = _plan(books, archs=["cpu"], outdated=True)
+    assert [u for u in fresh if u["kind"] == "cell"] == []
+    key = next(iter(books["cpu"]))
+    del books["cpu"][key]
+    _, one = _plan(books, archs=["cpu"], outdated=True)
+    cells = [u for u in one if u["kind"] == "cell"]
+    assert [(u["op"], u["variant"], u["cell"], u["status"]) for u in cells] == [(*key, "not run")]
+
+
+def test_a_slurm_array_task_certifies_its_unit_and_merge_folds_it_back(tmp_path):
+    _, units = _plan(archs=["cpu"])
+    cells = [u for u in units if u["kind"] == "cell"]
+    unit = min(cells, key=lambda u: u["seconds"])
+    script = tmp_path / "job.sh"
+    script.write_text(slurm_script([unit], receipts=str(tmp_path / "workers")))
+    assert subprocess.run(["bash", "-n", str(script)]).returncode == 0
+    text = script.read_text()
+    assert "#SBATCH --array=0-0" in text and "--gres" not in text
+    env = {**os.environ, "SLURM_ARRAY_TASK_ID": "0", "PYTHONPATH": str(PATHS.root)}
+    res = subprocess.run(["bash", str(script)], cwd=PATHS.root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    held = tmp_path / "receipts"
+    held.mkdir()
+    shutil.copy(PATHS.receipts / "cpu.jsonl", held / "cpu.jsonl")
+    got = merge(load_catalog(PATHS.cells), held, [tmp_path / "workers"])
+    # The task reproduces the committed receipt; on a CPU whose dispatch differs from the one that
+    # made it, the bytes may differ, which merge must call a platform difference, never more.
+    assert got.collapsed + len(got.conflicts) == 1, (got.added, got.left_out, got.conflicts)
+    assert all(c.kind == "platform" for c in got.conflicts), [str(c) for c in got.conflicts]
