@@ -127,14 +127,15 @@ KV_AXIS = {"bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 
 def decode_variants(kv: str) -> tuple[list[tuple[str, object]], str]:
     """The decode variants that read ``kv`` pages on sm_90 (name, wrapper), and the one the catalog's
-    dispatch rules choose there (first match in file order, certify/cells/qsa_sparse_gqa.yaml)."""
+    dispatch rules choose there (first match in file order, certify/cells/qsa_sparse_gqa.yaml). The
+    spec's own path (``impl: spec``, the batch-invariant reference) is no kernel to time."""
     import importlib
 
     op = load_catalog(project_paths().cells).ops["qsa_sparse_gqa"]
     axes = {"step": "decode", "kv_dtype": KV_AXIS[kv]}
     found, chosen = [], None
     for v in op.variants:
-        if "sm_90" not in v.archs or not evaluate(v.dispatch, axes):
+        if "sm_90" not in v.archs or v.impl == "spec" or not evaluate(v.dispatch, axes):
             continue
         module, _, name = v.impl.partition(":")
         found.append((v.name, getattr(importlib.import_module(module), name)))
