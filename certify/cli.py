@@ -35,7 +35,12 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
     chosen = select(catalog, args.op, args.tier, args.arch, only_outdated=args.outdated,
                     receipts_dir=paths.receipts)
-    receipts = run_targets(chosen, None if args.dry_run else paths.receipts)
+    if args.ray:
+        receipts = _run_on_ray(args, paths, catalog, chosen)
+        if receipts is None:
+            return 1
+    else:
+        receipts = run_targets(chosen, None if args.dry_run else paths.receipts)
     declared = {(r.op, r.variant, r.cell, r.arch): catalog.ops[r.op].cell(r.cell).expected_failure(
         r.variant, r.arch) for r in receipts}
     expected = [r for r in receipts if r.status != "passed" and declared[r.op, r.variant, r.cell, r.arch]]
@@ -54,6 +59,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"  UNEXPECTED PASS {r.op}::{r.variant}::{r.cell}::{r.arch}: it is declared to fail; "
               f"remove its expected_failures entry from {r.op}'s cell file")
     return 1 if bad or surprise or catalog.errors else 0
+
+
+def _run_on_ray(args, paths, catalog, chosen):
+    """The targets as Ray tasks (certify.harness.ray_run), the worker folders merged back; None
+    where the merge found a conflict or an arch was refused."""
+    import time  # noqa: PLC0415
+
+    from certify.harness.ray_run import run_on_ray  # noqa: PLC0415
+    from certify.harness.requirements import why_skipped  # noqa: PLC0415
+    from certify.receipts.merge import merge, merge_text  # noqa: PLC0415
+
+    skipped = [t for t in chosen if why_skipped(t.variant)]
+    for t in skipped:
+        print(f"skipped {t.name}: {why_skipped(t.variant)}", file=sys.stderr)
+    books = load_receipts(paths.receipts)
+    cost = {t.name: r.seconds for t in chosen
+            if (r := books.get(t.arch, {}).get((t.op.op, t.variant.name, t.cell.id)))}
+    out = paths.root / "runs" / "ray" / time.strftime("%Y%m%d-%H%M%S")
+    receipts, refused = run_on_ray([t for t in chosen if t not in skipped], args.ray, paths, out,
+                                   cost)
+    for line in refused:
+        print(f"refused {line}", file=sys.stderr)
+    if not args.dry_run:
+        res = merge(catalog, paths.receipts, [out])
+        print(merge_text(res, False))
+        if res.conflicts or res.damaged:
+            return None
+    return None if refused else receipts
 
 
 def _cmd_report(args: argparse.Namespace) -> int:
@@ -290,6 +323,10 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--arch", action="append", help="default: every arch this machine has")
     c.add_argument("--outdated", action="store_true", help="skip targets with a fresh receipt")
     c.add_argument("--dry-run", action="store_true", help="run, but write no receipts")
+    c.add_argument("--ray", metavar="ADDRESS", help="run the targets as tasks on a Ray cluster "
+                   "(local: one of this machine's own, started for the run; auto: the running one Ray "
+                   "finds; else its address), longest first, and merge the workers' receipts back "
+                   "(needs pip install -e '.[ray]')")
     c.set_defaults(fn=_cmd_run)
     v = sub.add_parser("verify", help="re-run receipts and compare their digests, metrics and status")
     v.add_argument("--op", action="append", help="only this op's receipts (repeatable)")

@@ -26,3 +26,16 @@ def gated_rmsnorm_one_percent_high(o, z, w, *, out) -> None:
     """The gated norm, every element 1 % too large."""
     torch_ops.gated_rmsnorm(o, z, w, out=out)
     out.mul_(1.01)
+
+
+def gated_rmsnorm_dies_once(o, z, w, *, out) -> None:
+    """The gated norm, after killing its own process once: the first call in a working directory
+    leaves ``died-once.marker`` there and exits at once, as a worker that crashes mid-run does."""
+    import os
+    from pathlib import Path
+
+    marker = Path("died-once.marker")
+    if not marker.exists():
+        marker.write_text("died\n")
+        os._exit(1)
+    torch_ops.gated_rmsnorm(o, z, w, out=out)

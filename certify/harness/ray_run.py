@@ -1,0 +1,96 @@
+"""``certify run --ray ADDRESS``: the targets as Ray tasks on a cluster (``local``: a cluster of this
+machine's own, started for the run; ``auto``: the running cluster Ray finds; else its address).
+
+Each target is one task with the resources of its arch: one CPU for ``cpu`` and ``cpu-interpret``
+(the latter in workers of their own, started with ``TRITON_INTERPRET=1``), one GPU and one unit of a
+custom resource named after the arch for ``sm_*`` (a GPU node offers it: ``ray start --num-gpus 1
+--resources '{"sm_90": 1}'``). Tasks are submitted longest first (their last receipt's seconds). A
+task writes its receipt into a folder of its own worker (``<runs>/<worker>/<arch>.jsonl``) on the
+shared file system, and Ray runs a task again when its worker dies (``max_retries``). At the end
+``certify merge`` folds the worker folders into the receipts directory, so what a distributed run
+writes is what a one-process run writes, and two workers that disagree on the same code's bytes are
+reported, not resolved. An arch no node of the cluster offers is refused up front.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from certify.catalog.plan import Target
+
+RETRIES = 2
+INSTALL_HINT = "Ray is an optional dependency: pip install -e '.[ray]'"
+
+
+def _resources(arch: str) -> dict:
+    if arch.startswith("sm_"):
+        return {"num_cpus": 1, "num_gpus": 1, "resources": {arch: 1}}
+    env = {"TRITON_INTERPRET": "1"} if arch == "cpu-interpret" else {}
+    return {"num_cpus": 1, "runtime_env": {"env_vars": env}} if env else {"num_cpus": 1}
+
+
+def _offered(arch: str, cluster: dict) -> bool:
+    need = {"CPU": 1} | ({"GPU": 1, arch: 1} if arch.startswith("sm_") else {})
+    return all(cluster.get(k, 0) >= v for k, v in need.items())
+
+
+def certify_remote(root: str, cells: str, op: str, variant: str, cell: str, arch: str,
+                   out: str) -> str:
+    """One target on a worker: certify it, write its receipt under ``out/<worker>``, return it as
+    JSON. Runs in the checkout ``root`` so that its hash covers the same modules as the driver's."""
+    os.chdir(root)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    import ray  # noqa: PLC0415
+
+    from certify.catalog.load import load_op_file  # noqa: PLC0415
+    from certify.harness.target import certify_cell  # noqa: PLC0415
+    from certify.receipts.store import make_receipt, write_receipts  # noqa: PLC0415
+
+    spec = load_op_file(Path(cells) / f"{op}.yaml")
+    c = spec.cell(cell)
+    receipt = make_receipt(spec, variant, c, arch, certify_cell(spec, variant, c, arch))
+    worker = ray.get_runtime_context().get_worker_id()[:12]
+    write_receipts(Path(out) / worker, [receipt])
+    return receipt.model_dump_json()
+
+
+def run_on_ray(chosen: list[Target], address: str, paths, out: Path,
+               cost: dict[str, float] | None = None) -> tuple[list, list[str]]:
+    """Run the targets as tasks, then merge the worker folders under ``out`` into the receipts.
+    Returns (the receipts, the targets refused because no node offers their arch)."""
+    try:
+        import ray  # noqa: PLC0415
+    except ImportError:
+        raise SystemExit(INSTALL_HINT) from None
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn  # noqa: PLC0415
+
+    from certify.receipts.store import Receipt  # noqa: PLC0415
+
+    ray.init(address=address, include_dashboard=False,
+             log_to_driver=False, configure_logging=False)
+    try:
+        cluster = ray.cluster_resources()
+        refused = [f"{t.name}: no node of the cluster offers {t.arch}" for t in chosen
+                   if not _offered(t.arch, cluster)]
+        runnable = [t for t in chosen if _offered(t.arch, cluster)]
+        runnable.sort(key=lambda t: -(cost or {}).get(t.name, 1.0))
+        remote = ray.remote(max_retries=RETRIES, retry_exceptions=False)(certify_remote)
+        pending = {remote.options(**_resources(t.arch)).remote(
+            str(paths.root), str(paths.cells), t.op.op, t.variant.name, t.cell.id, t.arch,
+            str(out)): t for t in runnable}
+        receipts = []
+        disable = os.environ.get("CI") == "true"
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      disable=disable, transient=True) as progress:
+            bar = progress.add_task(f"certifying on Ray ({address})", total=len(pending))
+            while pending:
+                done, _ = ray.wait(list(pending), num_returns=1)
+                pending.pop(done[0])
+                receipts.append(Receipt.model_validate_json(ray.get(done[0])))
+                progress.advance(bar)
+    finally:
+        ray.shutdown()
+    return receipts, refused
