@@ -78,7 +78,7 @@ def _run_on_ray(args, paths, catalog, chosen):
             if (r := books.get(t.arch, {}).get((t.op.op, t.variant.name, t.cell.id)))}
     out = paths.root / "runs" / "ray" / time.strftime("%Y%m%d-%H%M%S")
     receipts, refused = run_on_ray([t for t in chosen if t not in skipped], args.ray, paths, out,
-                                   cost)
+                                   cost, args.ray_cpus)
     for line in refused:
         print(f"refused {line}", file=sys.stderr)
     if not args.dry_run:
@@ -327,6 +327,9 @@ def main(argv: list[str] | None = None) -> int:
                    "(local: one of this machine's own, started for the run; auto: the running one Ray "
                    "finds; else its address), longest first, and merge the workers' receipts back "
                    "(needs pip install -e '.[ray]')")
+    c.add_argument("--ray-cpus", type=int, default=1, metavar="N",
+                   help="CPUs (and torch threads) per Ray task (default 1); receipts record the "
+                        "thread count, and some ops' last bits depend on it")
     c.set_defaults(fn=_cmd_run)
     v = sub.add_parser("verify", help="re-run receipts and compare their digests, metrics and status")
     v.add_argument("--op", action="append", help="only this op's receipts (repeatable)")

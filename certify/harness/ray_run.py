@@ -1,10 +1,13 @@
 """``certify run --ray ADDRESS``: the targets as Ray tasks on a cluster (``local``: a cluster of this
 machine's own, started for the run; ``auto``: the running cluster Ray finds; else its address).
 
-Each target is one task with the resources of its arch: one CPU for ``cpu`` and ``cpu-interpret``
-(the latter in workers of their own, started with ``TRITON_INTERPRET=1``), one GPU and one unit of a
-custom resource named after the arch for ``sm_*`` (a GPU node offers it: ``ray start --num-gpus 1
---resources '{"sm_90": 1}'``). Tasks are submitted longest first (their last receipt's seconds). A
+Each target is one task with the resources of its arch: ``cpus`` CPUs (``--ray-cpus``, default 1;
+torch runs on that many threads, and a receipt records its thread count), ``cpu-interpret`` tasks in
+workers of their own started with ``TRITON_INTERPRET=1``, and for ``sm_*`` one GPU and one unit of
+a custom resource named after the arch (a GPU node offers it: ``ray start --num-gpus 1 --resources
+'{"sm_90": 1}'``). torch's CPU kernels may split a reduction by thread count, so receipts made on
+one thread can differ in their last bits from receipts made on two, and merge calls that a platform
+difference: give the tasks the thread count the receipts were made with to reproduce them. Tasks are submitted longest first (their last receipt's seconds). A
 task writes its receipt into a folder of its own worker (``<runs>/<worker>/<arch>.jsonl``) on the
 shared file system, and Ray runs a task again when its worker dies (``max_retries``). At the end
 ``certify merge`` folds the worker folders into the receipts directory, so what a distributed run
@@ -24,26 +27,30 @@ RETRIES = 2
 INSTALL_HINT = "Ray is an optional dependency: pip install -e '.[ray]'"
 
 
-def _resources(arch: str) -> dict:
+def _resources(arch: str, cpus: int) -> dict:
     if arch.startswith("sm_"):
-        return {"num_cpus": 1, "num_gpus": 1, "resources": {arch: 1}}
+        return {"num_cpus": cpus, "num_gpus": 1, "resources": {arch: 1}}
     env = {"TRITON_INTERPRET": "1"} if arch == "cpu-interpret" else {}
-    return {"num_cpus": 1, "runtime_env": {"env_vars": env}} if env else {"num_cpus": 1}
+    return {"num_cpus": cpus, "runtime_env": {"env_vars": env}} if env else {"num_cpus": cpus}
 
 
-def _offered(arch: str, cluster: dict) -> bool:
-    need = {"CPU": 1} | ({"GPU": 1, arch: 1} if arch.startswith("sm_") else {})
+def _offered(arch: str, cluster: dict, cpus: int) -> bool:
+    need = {"CPU": cpus} | ({"GPU": 1, arch: 1} if arch.startswith("sm_") else {})
     return all(cluster.get(k, 0) >= v for k, v in need.items())
 
 
 def certify_remote(root: str, cells: str, op: str, variant: str, cell: str, arch: str,
-                   out: str) -> str:
-    """One target on a worker: certify it, write its receipt under ``out/<worker>``, return it as
-    JSON. Runs in the checkout ``root`` so that its hash covers the same modules as the driver's."""
+                   out: str, cpus: int) -> str:
+    """One target on a worker: certify it with torch on the ``cpus`` threads the task holds, write
+    its receipt under ``out/<worker>``, return it as JSON. Runs in the checkout ``root`` so that its
+    hash covers the same modules as the driver's."""
     os.chdir(root)
     if root not in sys.path:
         sys.path.insert(0, root)
     import ray  # noqa: PLC0415
+    import torch  # noqa: PLC0415
+
+    torch.set_num_threads(cpus)
 
     from certify.catalog.load import load_op_file  # noqa: PLC0415
     from certify.harness.target import certify_cell  # noqa: PLC0415
@@ -58,9 +65,10 @@ def certify_remote(root: str, cells: str, op: str, variant: str, cell: str, arch
 
 
 def run_on_ray(chosen: list[Target], address: str, paths, out: Path,
-               cost: dict[str, float] | None = None) -> tuple[list, list[str]]:
-    """Run the targets as tasks, then merge the worker folders under ``out`` into the receipts.
-    Returns (the receipts, the targets refused because no node offers their arch)."""
+               cost: dict[str, float] | None = None, cpus: int = 1) -> tuple[list, list[str]]:
+    """Run the targets as tasks of ``cpus`` CPUs each (torch's thread count there), writing the
+    workers' receipts under ``out``. Returns (the receipts, the targets refused because no node
+    offers their arch)."""
     try:
         import ray  # noqa: PLC0415
     except ImportError:
@@ -73,14 +81,14 @@ def run_on_ray(chosen: list[Target], address: str, paths, out: Path,
              log_to_driver=False, configure_logging=False)
     try:
         cluster = ray.cluster_resources()
-        refused = [f"{t.name}: no node of the cluster offers {t.arch}" for t in chosen
-                   if not _offered(t.arch, cluster)]
-        runnable = [t for t in chosen if _offered(t.arch, cluster)]
+        refused = [f"{t.name}: no node of the cluster offers {t.arch} with {cpus} CPU(s)"
+                   for t in chosen if not _offered(t.arch, cluster, cpus)]
+        runnable = [t for t in chosen if _offered(t.arch, cluster, cpus)]
         runnable.sort(key=lambda t: -(cost or {}).get(t.name, 1.0))
         remote = ray.remote(max_retries=RETRIES, retry_exceptions=False)(certify_remote)
-        pending = {remote.options(**_resources(t.arch)).remote(
+        pending = {remote.options(**_resources(t.arch, cpus)).remote(
             str(paths.root), str(paths.cells), t.op.op, t.variant.name, t.cell.id, t.arch,
-            str(out)): t for t in runnable}
+            str(out), cpus): t for t in runnable}
         receipts = []
         disable = os.environ.get("CI") == "true"
         with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),

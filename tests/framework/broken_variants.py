@@ -39,3 +39,12 @@ def gated_rmsnorm_dies_once(o, z, w, *, out) -> None:
         marker.write_text("died\n")
         os._exit(1)
     torch_ops.gated_rmsnorm(o, z, w, out=out)
+
+
+def gated_rmsnorm_nondeterministic(o, z, w, *, out) -> None:
+    """The gated norm plus a different tiny perturbation on every call: its bytes never repeat."""
+    import os
+
+    torch_ops.gated_rmsnorm(o, z, w, out=out)
+    noise = torch.tensor(int.from_bytes(os.urandom(2), "little") / 65536 * 1e-3, dtype=out.dtype)
+    out.add_(noise)

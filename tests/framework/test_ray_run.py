@@ -1,6 +1,7 @@
 """``certify run --ray local`` on a local Ray cluster of CI's two CPUs (certify/harness/ray_run.py):
 the distributed run writes the receipts a one-process run writes, digests included; a worker that
-dies mid-task is retried and the run converges; an arch no node offers is refused up front."""
+dies mid-task is retried and the run converges; an arch no node offers is refused up front; a
+variant whose bytes differ run to run is flagged when the workers' receipts are merged."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ except ImportError:
         raise RuntimeError("CI installs the ray extra (.ci/run): it may not be missing") from None
     pytest.skip("needs Ray: pip install -e '.[ray]'", allow_module_level=True)
 
+NONDETERMINISTIC = """  - name: noisy
+    impl: tests.framework.broken_variants:gated_rmsnorm_nondeterministic
+    archs: [cpu]
+"""
 DIES = """  - name: dies
     impl: tests.framework.broken_variants:gated_rmsnorm_dies_once
     archs: [cpu, sm_90]
@@ -77,3 +82,18 @@ def test_a_worker_that_dies_is_retried_and_an_absent_arch_is_refused(tmp_path):
     res = _certify(project, "run", "--ray", "local", "--arch", "sm_90")
     assert res.returncode == 1
     assert "refused norm_x::dies::rows_4::sm_90: no node of the cluster offers sm_90" in res.stderr
+
+
+def test_a_nondeterministic_variant_is_flagged_when_the_workers_receipts_merge(tmp_path):
+    project = _project(tmp_path, NONDETERMINISTIC)
+    # Twice on Ray, so both runs record the same versions (a Ray task runs torch on the one CPU it
+    # holds; a one-process run on all of them, and merge would call that a platform difference).
+    first = _certify(project, "run", "--ray", "local")  # noisy fails its bitwise oracle
+    assert "took 3 new" in first.stdout, first.stdout[-3000:] + first.stderr[-3000:]
+    before = (project / "receipts" / "cpu.jsonl").read_bytes()
+    res = _certify(project, "run", "--ray", "local")
+    assert res.returncode == 1, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "CONFLICT nondeterminism: norm_x::noisy::rows_4 on cpu" in res.stdout, res.stdout
+    assert "2 already held" in res.stdout, res.stdout
+    assert (project / "receipts" / "cpu.jsonl").read_bytes() == before
+    assert (project / "receipts" / "cpu.jsonl.conflicts").is_file()
