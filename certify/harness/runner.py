@@ -13,11 +13,9 @@ from certify.harness.archs import present_archs
 from certify.catalog.load import Catalog
 from certify.harness.target import certify_cell
 from certify.catalog.plan import Target, targets
-from certify.receipts.store import Receipt, freshness, load_receipts, make_receipt, write_receipts
+from certify.receipts.store import (UP_TO_DATE, Receipt, freshness, load_receipts, make_receipt,
+                                    write_receipts)
 from certify.harness.requirements import why_skipped
-
-
-UP_TO_DATE = ("certified", "expected failure")   # fresh receipts that --outdated leaves alone
 
 
 def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | None = None,

@@ -19,7 +19,7 @@ from certify.catalog.plan import targets
 from certify.lists.risk import build_items
 from certify.lists.selection import Inputs
 from certify.receipts.codehash import content_hash
-from certify.receipts.store import freshness
+from certify.receipts.store import UP_TO_DATE, freshness
 
 PLAN_FORMAT = "certify-plan/1"
 
@@ -45,7 +45,7 @@ def plan_units(inp: Inputs, catalog: Catalog, books: dict, archs: list[str] | No
             op, t = found
             r = books.get(it.arch, {}).get((op.op, t.variant.name, t.cell.id))
             status = freshness(r, op, t.variant.name, t.cell, it.arch)
-            if outdated and status in ("certified", "expected failure"):
+            if outdated and status in UP_TO_DATE:
                 continue
             unit |= {"op": it.op, "variant": it.variant, "cell": it.cell,
                      "hash": content_hash(op, t.variant.name, t.cell), "status": status}

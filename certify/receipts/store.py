@@ -334,6 +334,9 @@ def evidence_problems(receipt: Receipt, op: OpFile, cell: Cell, arch: str) -> li
     return out
 
 
+UP_TO_DATE = ("certified", "expected failure")   # fresh statuses that ask for no new certification
+
+
 def freshness(receipt: Receipt | None, op: OpFile, variant: str, cell: Cell,
               arch: str | None = None) -> str:
     """certified | expected failure | unexpected pass | failed | stale | invalid | not run: what a

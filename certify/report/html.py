@@ -27,7 +27,7 @@ from certify.reach import ReachFile
 from certify.report import plots
 from certify.report.markdown import findings_of
 from certify.report.reach_sections import gaps_markdown
-from certify.report.rows import MEASURED, STATUSES, Row, _archs, counts
+from certify.report.rows import MEASURED, STATUSES, Row, _archs, counts, worst_banded
 from certify.catalog.schema import OpFile
 
 SCREENSHOT = "index.png"
@@ -57,12 +57,9 @@ def band_fraction(row: Row, op: OpFile, arch: str) -> float | None:
     r = row.receipts.get(arch)
     if r is None:
         return None
-    oracle = op.cell(row.cell).oracle
-    if oracle.kind != "bitwise":
-        bands = {n: b.max_ulp for n, b in (oracle.outputs or {}).items() if b.max_ulp}
-        got = [r.metrics[f"{n}.ulp"] / band for n, band in bands.items() if f"{n}.ulp" in r.metrics]
-        if got:
-            return max(got)
+    worst = worst_banded(r, op, row.cell)
+    if worst:
+        return worst[1] / worst[2]
     mism = [v for k, v in r.metrics.items() if k.endswith(".mismatches")]
     if mism:
         return 0.0 if max(mism) == 0 else math.inf

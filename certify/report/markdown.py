@@ -19,7 +19,7 @@ from certify.harness.target import resolve
 from certify.catalog.plan import variants_of_cell
 from certify.reach import ReachFile
 from certify.reach.claims import Finding, catalog_findings, reach_findings
-from certify.receipts.store import evidence_problems
+from certify.receipts.store import UP_TO_DATE, evidence_problems
 from certify.report.reach_sections import (cost_markdown, gaps_markdown, op_reach_markdown,
                                            terminal_gaps)
 from certify.report.rows import (ARCH_ORDER, MEASURED, STATUSES, Row, _archs, _measured,
@@ -89,15 +89,14 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
           "whose key appears twice in its file), - (the variant does not run on that arch).", ""]
     md += ["## Totals", "", *_summary_lines(rows, archs, "github"), ""]
     md += gaps_markdown(catalog, reach, rows, findings)
-    attention = [r for r in rows if any(s not in ("certified", "expected failure")
-                                        for s in r.status.values())]
+    attention = [r for r in rows if any(s not in UP_TO_DATE for s in r.status.values())]
     md += ["## Needs attention", ""]
     if catalog.errors:
         md += [f"- cell file error: `{e}`" for e in catalog.errors]
     if attention:
         md.append(tabulate([[r.op, r.variant, r.cell, r.tier,
                              ", ".join(_attention_text(catalog, r, a, s) for a, s in r.status.items()
-                                       if s not in ("certified", "expected failure"))]
+                                       if s not in UP_TO_DATE)]
                             for r in attention],
                            headers=["op", "variant", "cell", "list", "not certified"],
                            tablefmt="github"))

@@ -39,6 +39,21 @@ def _archs(catalog: Catalog) -> list[str]:
     return [a for a in ARCH_ORDER if a in seen] + sorted(seen - set(ARCH_ORDER))
 
 
+def worst_banded(r: Receipt, op: OpFile, cell_id: str) -> tuple[str, float, float, int] | None:
+    """Of a tolerance cell's banded outputs that the receipt measured, the one nearest its band:
+    (name, measured ulp, band ulp, how many banded outputs were measured); None where none is."""
+    oracle = op.cell(cell_id).oracle
+    if oracle.kind == "bitwise":
+        return None
+    bands = {n: b.max_ulp for n, b in (oracle.outputs or {}).items() if b.max_ulp}
+    banded = {n: (r.metrics[f"{n}.ulp"], band) for n, band in bands.items()
+              if f"{n}.ulp" in r.metrics}
+    if not banded:
+        return None
+    name, (v, band) = max(banded.items(), key=lambda kv: kv[1][0] / kv[1][1])
+    return name, v, band, len(banded)
+
+
 def _measured(r: Receipt | None, op: OpFile | None = None, cell_id: str | None = None) -> str:
     """The receipt's result in one phrase: for a tolerance cell the output nearest its band, as
     measured / band ulp (its name where the cell bands several outputs); bitwise, or how many
@@ -47,16 +62,10 @@ def _measured(r: Receipt | None, op: OpFile | None = None, cell_id: str | None =
         return ""
     ulps = {k[: -len(".ulp")]: v for k, v in r.metrics.items() if k.endswith(".ulp")}
     if ulps:
-        bands = {}
-        if op is not None and cell_id is not None:
-            oracle = op.cell(cell_id).oracle
-            bands = {n: b.max_ulp for n, b in (oracle.outputs or {}).items()} \
-                if oracle.kind != "bitwise" else {}
-        banded = {n: (v, bands[n]) for n, v in ulps.items() if bands.get(n)}
-        if banded:
-            name, (v, band) = max(banded.items(), key=lambda kv: kv[1][0] / kv[1][1])
-            where = f" {name}" if len(banded) > 1 else ""
-            return f"{v:.2f}/{band:g} ulp{where}"
+        worst = worst_banded(r, op, cell_id) if op is not None and cell_id is not None else None
+        if worst:
+            name, v, band, n = worst
+            return f"{v:.2f}/{band:g} ulp{f' {name}' if n > 1 else ''}"
         return f"{max(ulps.values()):.2f} ulp"
     mism = [v for k, v in r.metrics.items() if k.endswith(".mismatches")]
     if mism:

@@ -5,72 +5,27 @@ run and the item until the declaration goes."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
-from pathlib import Path
 
 import pytest
 
 from certify.catalog.load import load_op_file
 from certify.files.problem import FileProblem
 
-ROOT = Path(__file__).resolve().parents[2]
-OP = textwrap.dedent("""\
-    op: norm_x
-    summary: the standalone gated norm, for the expected-failure tests
-    spec: spec.ops.norms:gated_rmsnorm
-    inputs: spec.cases.gdn:gated_norm_case
-    axes:
-      rows: {{kind: int, reach: [1, 64]}}
-      value_heads: {{kind: choice, values: [2]}}
-      head_dim: {{kind: choice, values: [16]}}
-    variants:
-      - name: torch
-        impl: impl.kernels.gdn.torch_ops:gated_rmsnorm
-        archs: [cpu]
-      - name: high
-        impl: tests.framework.broken_variants:gated_rmsnorm_one_percent_high
-        archs: [cpu]
-    cells:
-      - id: rows_4
-        axes: {{rows: 4}}
-        why: a small case for the expected-failure tests
-        tier: premerge
-        oracle: {{kind: bitwise, against: spec}}
-        expected_failures:
-          - variant: {declared}
-            arch: cpu
-            why: the planted variant is one percent high everywhere
-    """)
-
-
-def _project(tmp: Path, declared: str) -> Path:
-    (tmp / "pyproject.toml").write_text('[tool.certify]\ncells = "cells"\nreceipts = "receipts"\n')
-    (tmp / "cells").mkdir(exist_ok=True)
-    (tmp / "cells" / "norm_x.yaml").write_text(OP.format(declared=declared))
-    return tmp
-
-
-def _run(tmp: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, *args], cwd=tmp, env=env, capture_output=True,
-                          text=True, timeout=300)
-
+from tests.framework.tmp_project import OP, make_project, run_in
 
 def test_a_declared_failure_is_expected_and_the_run_passes(tmp_path):
-    project = _project(tmp_path, "high")
-    res = _run(project, "-m", "certify.cli", "run")
+    project = make_project(tmp_path, "high")
+    res = run_in(project, "-m", "certify.cli", "run")
     assert res.returncode == 0, res.stdout + res.stderr
     assert "1 passed, 0 not passed, 1 expected failure(s), 0 unexpected pass(es)" in res.stdout
     assert "the planted variant is one percent high" in res.stdout
-    res = _run(project, "-m", "pytest", "-p", "certify.pytest_plugin", "-q", "-p",
+    res = run_in(project, "-m", "pytest", "-p", "certify.pytest_plugin", "-q", "-p",
                "no:cacheprovider", "cells")
     assert "1 passed, 1 xfailed" in res.stdout, res.stdout + res.stderr
 
     # Freshness is judged where the project is (its root decides which modules its hashes cover).
-    res = _run(project, "-c", FRESHNESS)
+    res = run_in(project, "-c", FRESHNESS)
     assert res.stdout.split() == ["high=expected_failure", "torch=certified"], res.stdout + res.stderr
 
 
@@ -86,12 +41,12 @@ FRESHNESS = textwrap.dedent("""\
 
 
 def test_a_declared_failure_that_passes_fails_the_run_and_the_item(tmp_path):
-    project = _project(tmp_path, "torch")
-    res = _run(project, "-m", "certify.cli", "run")
+    project = make_project(tmp_path, "torch")
+    res = run_in(project, "-m", "certify.cli", "run")
     assert res.returncode == 1
     assert "UNEXPECTED PASS norm_x::torch::rows_4::cpu" in res.stdout, res.stdout
     assert "FAILED norm_x::high::rows_4::cpu" in res.stdout, res.stdout
-    res = _run(project, "-m", "pytest", "-p", "certify.pytest_plugin", "-q", "-p",
+    res = run_in(project, "-m", "pytest", "-p", "certify.pytest_plugin", "-q", "-p",
                "no:cacheprovider", "cells")
     assert "2 failed" in res.stdout and "XPASS(strict)" in res.stdout, res.stdout
 

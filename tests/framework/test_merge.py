@@ -4,10 +4,7 @@ never resolving a disagreement silently (certify/receipts/merge.py)."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from certify.catalog.load import load_catalog
@@ -15,10 +12,9 @@ from certify.files.paths import project_paths
 from certify.receipts.merge import merge
 from certify.receipts.store import load_receipts
 
-from tests.framework.test_expected_failures import OP
+from tests.framework.tmp_project import make_project, run_in
 
 PATHS = project_paths()
-ROOT = PATHS.root
 
 
 def _copy_receipts(tmp: Path) -> Path:
@@ -100,14 +96,10 @@ def test_stale_and_unknown_receipts_are_left_out_and_said(tmp_path):
 
 
 def test_the_command_merges_worker_files_and_fails_on_a_conflict(tmp_path):
-    (tmp_path / "pyproject.toml").write_text('[tool.certify]\ncells = "cells"\nreceipts = "receipts"\n')
-    (tmp_path / "cells").mkdir()
-    (tmp_path / "cells" / "norm_x.yaml").write_text(OP.format(declared="high"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    project = make_project(tmp_path)
 
     def certify(*args):
-        return subprocess.run([sys.executable, "-m", "certify.cli", *args], cwd=tmp_path, env=env,
-                              capture_output=True, text=True, timeout=300)
+        return run_in(project, "-m", "certify.cli", *args)
 
     assert certify("run").returncode == 0
     made = (tmp_path / "receipts" / "cpu.jsonl").read_bytes()

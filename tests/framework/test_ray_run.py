@@ -9,14 +9,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.framework.test_expected_failures import OP
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.framework.tmp_project import make_project, run_in
 
 try:
     import ray  # noqa: F401
@@ -35,20 +32,8 @@ DIES = """  - name: dies
 """
 
 
-def _project(tmp: Path, extra_variant: str = "") -> Path:
-    (tmp / "pyproject.toml").write_text('[tool.certify]\ncells = "cells"\nreceipts = "receipts"\n')
-    (tmp / "cells").mkdir()
-    text = OP.format(declared="high")
-    if extra_variant:
-        text = text.replace("cells:\n", extra_variant + "cells:\n", 1)
-    (tmp / "cells" / "norm_x.yaml").write_text(text)
-    return tmp
-
-
 def _certify(project: Path, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "RAY_AUTH_MODE": "disabled"}
-    return subprocess.run([sys.executable, "-m", "certify.cli", *args], cwd=project, env=env,
-                          capture_output=True, text=True, timeout=600)
+    return run_in(project, "-m", "certify.cli", *args, RAY_AUTH_MODE="disabled")
 
 
 def _records(project: Path) -> dict:
@@ -61,7 +46,7 @@ def _records(project: Path) -> dict:
 
 
 def test_a_ray_run_writes_what_a_one_process_run_writes(tmp_path):
-    project = _project(tmp_path)
+    project = make_project(tmp_path)
     assert _certify(project, "run").returncode == 0
     local = _records(project)
     shutil.rmtree(project / "receipts")
@@ -74,7 +59,7 @@ def test_a_ray_run_writes_what_a_one_process_run_writes(tmp_path):
 
 
 def test_a_worker_that_dies_is_retried_and_an_absent_arch_is_refused(tmp_path):
-    project = _project(tmp_path, DIES)
+    project = make_project(tmp_path, extra_variant=DIES)
     res = _certify(project, "run", "--ray", "local", "--op", "norm_x")
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert (project / "died-once.marker").is_file(), "the planted variant killed its worker once"
@@ -85,7 +70,7 @@ def test_a_worker_that_dies_is_retried_and_an_absent_arch_is_refused(tmp_path):
 
 
 def test_a_nondeterministic_variant_is_flagged_when_the_workers_receipts_merge(tmp_path):
-    project = _project(tmp_path, NONDETERMINISTIC)
+    project = make_project(tmp_path, extra_variant=NONDETERMINISTIC)
     # Twice on Ray, so both runs record the same versions (a Ray task runs torch on the one CPU it
     # holds; a one-process run on all of them, and merge would call that a platform difference).
     first = _certify(project, "run", "--ray", "local")  # noisy fails its bitwise oracle
