@@ -3,6 +3,7 @@
 Run on the GPU machine from the repository root:
     python3 bench/engine.py [--layers N] [--batch 1,8,32] [--kv bf16] [--modes eager,graphs,torch]
                             [--out DIR]
+    python3 bench/engine.py --smoke      # the tiny model on the CPU, a few tokens, nothing written
 It writes ``engine.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
 Weights are drawn on the device (spec.model.init_weights: fp32 draws from the device's generator,
 one nvfp4 global scale per expert stack), so the 48-layer model needs no host copy. ``--layers``
@@ -19,6 +20,9 @@ bandwidth measured in the same run. The issue's protocol: ``--prompt-len 8192 --
 ``--modes`` picks the engines timed at every batch size: ``eager`` (the fast variants, step by
 step), ``graphs`` (the same with decode steps replayed from CUDA graphs) and ``torch`` (only the
 variants written in torch: the peer).
+``--smoke`` runs the tiny model on the CPU (batches 1 and 2, 8-token prompts, 3 new tokens, the eager
+and torch modes, the kernel profile of the eager runs), checks that every request produced its tokens
+and that every run had decode steps, and writes nothing.
 """
 
 from __future__ import annotations
@@ -162,6 +166,19 @@ def kernel_profile(engine: Engine, requests: list[Request], steps: int = 3) -> l
     return out
 
 
+def finished_tokens(engine: Engine, requests: list[Request]) -> dict[str, int]:
+    """Tokens each of ``requests`` produced in ``engine`` (absent: it did not finish)."""
+    ids = {r.request_id for r in requests}
+    return {s.request.request_id: len(s.output) for s in engine.finished
+            if s.request.request_id in ids}
+
+
+# --smoke: the tiny model on the CPU, a couple of tokens, every mode that runs there
+SMOKE = {"model": "tiny", "device": "cpu", "layers": None, "batch": "1,2", "prompt_len": 8,
+         "new_tokens": 3, "modes": "eager,torch", "peer_tokens": 3, "peer_prompt_len": 8,
+         "profile": True}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", choices=("target", "tiny"), default="target")
@@ -182,7 +199,13 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true",
                     help="also write engine_profile.md: the GPU kernels of a decode step, by name "
                          "(eager mode, each batch)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="the tiny model on the CPU, batches 1 and 2, a few tokens, the eager and "
+                         "torch modes; checks every request finished, writes nothing")
     args = ap.parse_args()
+    if args.smoke:
+        for name, value in SMOKE.items():
+            setattr(args, name, value)
     cfg = ModelConfig.tiny() if args.model == "tiny" else ModelConfig.target()
     if args.layers:
         cfg = ModelConfig(**{**cfg.model_dump(), "num_layers": args.layers})
@@ -232,7 +255,15 @@ def main() -> None:
             # Compiles (and captures the first graphs): one full-length prompt, then short ones.
             timed_run(engine, _requests(cfg, 1, plen, 2, seed=0))
             timed_run(engine, _requests(cfg, rows, 8, 3, seed=0))
-            times = timed_run(engine, _requests(cfg, rows, plen, new, seed=1))
+            requests = _requests(cfg, rows, plen, new, seed=1)
+            times = timed_run(engine, requests)
+            if args.smoke:
+                produced = finished_tokens(engine, requests)
+                ok = bool(times.decode) and produced == {r.request_id: new for r in requests}
+                print(f"smoke {mode} b{rows}: {len(times.decode)} decode steps, tokens a request "
+                      f"{sorted(produced.values())} of {new}: {'ok' if ok else 'FAILED'}", flush=True)
+                if not ok:
+                    raise SystemExit(1)
             step = times.median_decode()
             floor = f"{total / bw * 1e3:.2f}" if bw else "-"
             share = f"{100 * total / bw / step:.1f} %" if bw else "-"
@@ -251,6 +282,9 @@ def main() -> None:
     lines += ["", "Bytes a decode step must move, by part (MB), at the largest batch:", ""]
     parts = decode_step_bytes(cfg, batches[-1], context, args.kv, args.state)
     lines += [f"- {name}: {value / 1e6:.1f}" for name, value in parts.items()]
+    if args.smoke:
+        print("smoke passed; nothing written")
+        return
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "engine.md").write_text("\n".join(lines) + "\n")

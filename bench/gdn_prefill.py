@@ -2,6 +2,7 @@
 
 Run on the GPU machine from the repository root:
     python3 bench/gdn_prefill.py [--out DIR] [--seq-lens 8192,1024,4096] [--sweep]
+    python3 bench/gdn_prefill.py --smoke      # short_t37's shape on the CPU (interpreter), nothing written
 It writes ``gdn_prefill.md`` (tables with the date, the GPU and the versions) into DIR (default
 reports/bench). One sequence (batch 1) at the target geometry (16 key heads, 48 value heads, d 128,
 bf16 q/k/v/z, fp32 state), continuing from a random state as a chunked prefill does.
@@ -24,6 +25,10 @@ bf16 q/k/v/z, fp32 state), continuing from a random state as a chunked prefill d
   schedule, each compared bitwise with the checked call.
 - torch_recurrent (a Python loop of ~10 launches a row) is not timed at these lengths.
 - ``--sweep`` also times the Triton kernel's launch configurations (state-column tile, warps, stages).
+- ``--smoke`` runs each timed variant that has a CPU arch (triton_chunked through Triton's
+  interpreter, torch_chunked) at the cell short_t37's shape (2 sequences of 37 tokens) on the CPU and
+  checks it against the float64 spec with that cell's bands; gluon_chunked (no interpreter) and the
+  peers (CUDA kernels) are skipped with the reason printed; nothing is timed or written.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import importlib
+import importlib.util
+import os
 import platform
 from pathlib import Path
 
@@ -159,6 +166,39 @@ def peer_flashinfer(case, refs):
 
 
 PEERS = {"flashinfer": peer_flashinfer, "fla": peer_fla}
+SMOKE_CELL = "short_t37"   # batch 2, 37 tokens: one partial chunk
+CPU_ARCHS = {"cpu", "cpu-interpret"}
+
+
+def smoke(op) -> None:
+    """Each timed variant with a CPU arch at short_t37's shape on the CPU, checked against the float64
+    spec with the cell's bands; the others and the peers skipped with the reason; nothing timed or
+    written."""
+    cell = next(c for c in op.cells if c.id == SMOKE_CELL)
+    bands = {n: (b.max_ulp, b.max_rel_rms) for n, b in cell.oracle.outputs.items()}
+    case = build_case(op, cell, torch.device("cpu"))
+    ref = run_spec(gdn.gdn_prefill, case, True)
+    shape = f"{SMOKE_CELL} (batch {cell.axes['batch']}, {cell.axes['seq_len']} tokens)"
+    failed = False
+    for name in TIMED:
+        archs = set(op.variant(name).archs)
+        if not archs & CPU_ARCHS:
+            why = "Gluon has no interpreter" if name.startswith("gluon") else "no CPU arch"
+            print(f"smoke {name} {shape}: skipped ({why}; archs {sorted(archs)})")
+            continue
+        try:
+            ok, errs = check(name, run_variant(variant_callable(op, name), case), ref, bands)
+        except Exception as e:  # noqa: BLE001 - reported, and the smoke fails
+            ok, errs = False, f"{type(e).__name__}: {str(e)[:200]}"
+        print(f"smoke {name} {shape}: {'ok' if ok else 'FAILED'} (out ulp / rel RMS eps ; final "
+              f"state ulp / rel RMS eps: {errs})", flush=True)
+        failed |= not ok
+    for peer, module in (("flashinfer", "flashinfer"), ("fla", "fla")):
+        here = "installed" if importlib.util.find_spec(module) else "not installed"
+        print(f"smoke peer {peer}: skipped (CUDA kernels, timed on the GPU only; {here})")
+    if failed:
+        raise SystemExit(1)
+    print("smoke passed; nothing written")
 
 
 def main() -> None:
@@ -167,7 +207,13 @@ def main() -> None:
     p.add_argument("--seq-lens", default="8192,1024,4096")
     p.add_argument("--sweep", action="store_true")
     p.add_argument("--no-peers", action="store_true")
+    p.add_argument("--smoke", action="store_true",
+                   help="short_t37's shape on the CPU (Triton's interpreter): checks each timed "
+                        "variant that runs there, times nothing, writes nothing")
     args = p.parse_args()
+    if args.smoke:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # read when a kernel is decorated
+        return smoke(load_op_file(project_paths().cells / "gdn_prefill.yaml"))
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     from impl.kernels.gdn import triton_chunked

@@ -3,32 +3,44 @@ its launch shapes on the GPU, and check each against the shipped shape bit for b
 
 Run on the GPU machine from the repository root:
     python3 bench/hc_sinkhorn.py [--out DIR]
+    python3 bench/hc_sinkhorn.py --smoke      # a few tokens on the CPU (interpreter), nothing written
 It writes ``hc_sinkhorn.md`` into DIR (default reports/bench): per token count (a decode step's 1,
 32 and 128 rows, a 4096-row chunk) and per (tokens a program, warps), the median of CUDA-graph
 replays and whether the result equals the shipped shape's bit for bit.
+``--smoke`` launches every shape at 1 and 19 tokens on the CPU through Triton's interpreter (the
+warps are not modelled there), checks each bit for bit against the shipped shape and the shipped
+shape against the float64 spec (spec.ops.hc.sinkhorn, the sinkhorn cells' band), times nothing and
+writes nothing.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import os
 import sys
 from pathlib import Path
 
-import torch
-import triton
+if "--smoke" in sys.argv[1:]:   # the interpreter is chosen when a kernel is decorated: before triton_hc
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
+import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import graph_us  # noqa: E402
 
+from certify.harness.oracles import tolerance  # noqa: E402
 from impl.kernels.hc import triton_hc  # noqa: E402
-from spec.ops.hc import SINKHORN_ITERS  # noqa: E402
+from spec.ops.hc import SINKHORN_ITERS, sinkhorn  # noqa: E402
 
 SHIPPED = (triton_hc.SINKHORN_TOKENS, triton_hc.SINKHORN_WARPS)
 SHAPES = [SHIPPED] + [s for s in [(32, 4), (32, 1), (16, 1), (8, 1), (4, 1), (1, 1), (64, 2),
                                   (128, 4)] if s != SHIPPED]
 TOKENS = (1, 32, 128, 4096)
+SMOKE_TOKENS = (1, 19)   # one token; two and a part programs of the shipped 8
+SINKHORN_BAND = (83, 4)  # certify/cells/sinkhorn.yaml: max ulp, max relative RMS (eps) of H
 
 
 def _launch(M: torch.Tensor, out: torch.Tensor, bt: int, warps: int) -> None:
@@ -37,10 +49,41 @@ def _launch(M: torch.Tensor, out: torch.Tensor, bt: int, warps: int) -> None:
                                                       num_warps=warps)
 
 
+def smoke() -> None:
+    """Every shape at a few tokens on the CPU (interpreted): bit for bit the shipped shape's
+    result, which is within the sinkhorn cells' band of the float64 spec; nothing timed or written."""
+    gen = torch.Generator().manual_seed(0)
+    failed = False
+    for T in SMOKE_TOKENS:
+        M = torch.exp(torch.randn(T, 4, 4, generator=gen) * 2).contiguous()
+        ref = torch.empty_like(M)
+        _launch(M, ref, *SHAPES[0])
+        v = tolerance("H", ref, sinkhorn(M.double()), *SINKHORN_BAND)
+        ulp = v.metrics.get("H.ulp", float("nan"))
+        print(f"smoke {T} tokens, shipped {SHAPES[0]} vs float64 spec: {ulp:.3g} ulp "
+              f"{'ok' if v.passed else 'FAILED ' + '; '.join(v.problems)}", flush=True)
+        failed |= not v.passed
+        for bt, warps in SHAPES[1:]:
+            out = torch.full_like(M, float("nan"))
+            _launch(M, out, bt, warps)
+            same = torch.equal(out.view(torch.int32), ref.view(torch.int32))
+            print(f"smoke {T} tokens, {bt} tokens a program, {warps} warps: "
+                  f"{'same bits as shipped' if same else 'FAILED: differs from shipped'}")
+            failed |= not same
+    if failed:
+        raise SystemExit(1)
+    print("smoke passed; nothing written")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="reports/bench")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few tokens on the CPU (Triton's interpreter): every shape checked, "
+                         "nothing timed or written")
     args = ap.parse_args()
+    if args.smoke:
+        return smoke()
     gen = torch.Generator(device="cuda").manual_seed(0)
     lines = [f"# HC Sinkhorn kernel launch shapes ({dt.date.today()})", "",
              f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "

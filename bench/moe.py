@@ -3,6 +3,7 @@ against the spec's own bf16 path and the bytes floor.
 
 Run on the GPU machine from the repository root:
     python3 bench/moe.py [--out DIR]
+    python3 bench/moe.py --smoke      # a reduced table at 2 rows on the CPU (interpreter), nothing written
 It writes ``moe.md`` into DIR (default reports/bench) with the date, the GPU and the versions.
 ``--profile`` writes ``moe_profile.txt`` instead: per row count, each stage alone, a sweep of the
 GEMMs' launch configs (gate|up's K parts included), all as medians of CUDA-graph replays (the GPU's
@@ -15,6 +16,9 @@ of every expert the rows select, the router and the shared expert's bf16 weights
 output written once, over the device-to-device copy bandwidth measured in the same run. Times are
 medians of plain launches (triton.testing.do_bench); each result is checked against the float64 spec
 at one row first (certification is the cells' job).
+``--smoke`` draws a reduced table on the CPU (16 experts of 512 x 256, top 4; the interpreted kernels
+take K in steps of 512), runs the Triton variant through Triton's interpreter and the spec's bf16 path
+at 2 rows, checks both against the float64 spec with a loose band, times nothing and writes nothing.
 """
 
 from __future__ import annotations
@@ -22,15 +26,20 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import math
+import os
 import sys
 from pathlib import Path
 
-import torch
+if "--smoke" in sys.argv[1:]:   # the interpreter is chosen when a kernel is decorated: before triton_moe
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_common import copy_bandwidth, graph_us  # noqa: E402
 
+from certify.harness.oracles import tolerance  # noqa: E402
 from impl.kernels.moe import triton_moe  # noqa: E402
 from spec.ops.kv_storage import NVFP4_BLOCK, nvfp4_global_scale, nvfp4_quantize  # noqa: E402
 from spec.ops.moe import NvFp4Experts, NvFp4Weight, SharedExpert, moe  # noqa: E402
@@ -38,13 +47,17 @@ from spec.ops.moe import NvFp4Experts, NvFp4Weight, SharedExpert, moe  # noqa: E
 C, I, IS, E, K = 3072, 512, 512, 512, 10
 ROWS = [("decode 1", 1), ("decode 32", 32), ("decode 128", 128), ("prefill chunk 8192", 8192)]
 SPEC_MAX_ROWS = 32  # the spec's row-by-row path beyond this costs minutes
+# --smoke: (hidden, expert inter, shared inter, experts, top k) and rows; a loose sanity band (max
+# ulp, max relative RMS eps) against float64: a wrong result is far off, certification is the cells'
+SMOKE_GEOMETRY, SMOKE_ROWS, SMOKE_BAND = (512, 256, 256, 16, 4), 2, (64, 16)
 
 
-def _stack(out_f: int, in_f: int, gen: torch.Generator) -> NvFp4Weight:
+def _stack(out_f: int, in_f: int, gen: torch.Generator, experts: int = E,
+           device: str = "cuda") -> NvFp4Weight:
     packed, sf, gs = [], [], []
-    for e in range(E):
-        w = torch.randn(out_f, in_f, device="cuda", generator=gen) / math.sqrt(in_f)
-        g = nvfp4_global_scale(w.abs().max().double().cpu()).cuda()
+    for e in range(experts):
+        w = torch.randn(out_f, in_f, device=device, generator=gen) / math.sqrt(in_f)
+        g = nvfp4_global_scale(w.abs().max().double().cpu()).to(device)
         p, s = nvfp4_quantize(w, g)
         packed.append(p)
         sf.append(s)
@@ -52,21 +65,70 @@ def _stack(out_f: int, in_f: int, gen: torch.Generator) -> NvFp4Weight:
     return NvFp4Weight(torch.stack(packed), torch.stack(sf), torch.stack(gs))
 
 
-def _weights(gen: torch.Generator):
-    router = (torch.randn(E, C, device="cuda", generator=gen) * 1.5 / math.sqrt(C)).bfloat16()
-    scale = nvfp4_global_scale(torch.tensor(16.0)).cuda()
-    experts = NvFp4Experts(_stack(I, C, gen), _stack(I, C, gen), _stack(C, I, gen), scale,
-                           scale.clone())
-    bf = lambda *s: (torch.randn(*s, device="cuda", generator=gen) / math.sqrt(s[-1])).bfloat16()  # noqa: E731
+def _weights(gen: torch.Generator, geometry: tuple = (C, I, IS, E), device: str = "cuda"):
+    C, I, IS, E = geometry  # noqa: N806 (the module's names, a reduced table under --smoke)
+    router = (torch.randn(E, C, device=device, generator=gen) * 1.5 / math.sqrt(C)).bfloat16()
+    scale = nvfp4_global_scale(torch.tensor(16.0)).to(device)
+    experts = NvFp4Experts(_stack(I, C, gen, E, device), _stack(I, C, gen, E, device),
+                           _stack(C, I, gen, E, device), scale, scale.clone())
+    bf = lambda *s: (torch.randn(*s, device=device, generator=gen) / math.sqrt(s[-1])).bfloat16()  # noqa: E731
     shared = SharedExpert(bf(IS, C), bf(IS, C), bf(C, IS), bf(C))
     return router, experts, shared
 
 
-def _floor_bytes(ids: torch.Tensor, T: int) -> int:
+def _floor_bytes(ids: torch.Tensor, T: int, geometry: tuple = (C, I, IS, E)) -> int:
+    C, I, IS, E = geometry  # noqa: N806
     used = int(torch.unique(ids).numel())
     per_expert = 3 * (I * C // 2 + I * C // NVFP4_BLOCK) + 3 * 4
     dense = 2 * (E * C + 3 * IS * C + C)
     return used * per_expert + dense + 2 * T * C * 2
+
+
+def _kwargs(experts: NvFp4Experts, shared: SharedExpert) -> dict:
+    """The Triton variant's weight arguments."""
+    return dict(gate_packed=experts.gate.packed, gate_sf=experts.gate.sf, gate_gs=experts.gate.gs,
+                up_packed=experts.up.packed, up_sf=experts.up.sf, up_gs=experts.up.gs,
+                down_packed=experts.down.packed, down_sf=experts.down.sf, down_gs=experts.down.gs,
+                x_gs=experts.x_gs, h_gs=experts.h_gs, w_gate=shared.w_gate, w_up=shared.w_up,
+                w_down=shared.w_down, w_sg=shared.w_sg)
+
+
+def _reference(x, router, experts: NvFp4Experts, shared: SharedExpert, top_k: int) -> torch.Tensor:
+    """The float64 spec of the block on ``x``."""
+    return moe(x.double(), router.double(), NvFp4Experts(
+        experts.gate, experts.up, experts.down, experts.x_gs.double(), experts.h_gs.double()),
+        SharedExpert(*(t.double() for t in (shared.w_gate, shared.w_up, shared.w_down,
+                                            shared.w_sg))), top_k)
+
+
+def smoke() -> None:
+    """The reduced table at a few rows on the CPU: the Triton variant (interpreted) and the spec's
+    bf16 path, each checked against the float64 spec; nothing timed or written."""
+    from impl.kernels.triton_support import INTERPRETING
+
+    c, i, i_s, e, k = SMOKE_GEOMETRY
+    gen = torch.Generator().manual_seed(0)
+    router, experts, shared = _weights(gen, (c, i, i_s, e), "cpu")
+    x = torch.randn(SMOKE_ROWS, c, generator=gen).bfloat16()
+    ref = _reference(x, router, experts, shared, k)
+    ids, _ = triton_moe.route(x, router, k)
+    print(f"smoke {SMOKE_ROWS} rows, {e} experts of {i} x {c}, top {k}: "
+          f"{int(torch.unique(ids).numel())} experts used, floor "
+          f"{_floor_bytes(ids, SMOKE_ROWS, (c, i, i_s, e)) / 1e6:.2f} MB "
+          f"(Triton {'interpreted' if INTERPRETING else 'compiled'})", flush=True)
+    out = torch.empty_like(x)
+    triton_moe.moe(x, router, k, **_kwargs(experts, shared), out=out)
+    failed = False
+    for name, got in (("triton", out), ("spec bf16", moe(x, router, experts, shared, k))):
+        err = float((got.double() - ref).abs().max() / (ref.abs().max() * 2 ** -8))
+        v = tolerance("out", got, ref, *SMOKE_BAND)
+        print(f"smoke {name}: max err {err:.2f} (ulp of the max), "
+              f"{v.metrics['out.ulp']:.3g} ulp / {v.metrics['out.rel_rms']:.3g} eps vs float64: "
+              f"{'ok' if v.passed else 'FAILED ' + '; '.join(v.problems)}", flush=True)
+        failed |= not v.passed
+    if failed:
+        raise SystemExit(1)
+    print("smoke passed; nothing written")
 
 
 def main() -> None:
@@ -78,7 +140,12 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("--rows", default=",".join(str(t) for _, t in ROWS),
                     help="comma-separated row counts to run, of " + ", ".join(str(t) for _, t in ROWS))
+    ap.add_argument("--smoke", action="store_true",
+                    help="a reduced table at 2 rows on the CPU (Triton's interpreter): checks the "
+                         "Triton variant and the spec's bf16 path, times nothing, writes nothing")
     args = ap.parse_args()
+    if args.smoke:
+        return smoke()
     wanted = {int(t) for t in args.rows.split(",")}
     rows = [(label, t) for label, t in ROWS if t in wanted]
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -86,11 +153,7 @@ def main() -> None:
     router, experts, shared = _weights(gen)
     built = (dt.datetime.now() - t0).total_seconds()
     bw = copy_bandwidth()
-    kw = dict(gate_packed=experts.gate.packed, gate_sf=experts.gate.sf, gate_gs=experts.gate.gs,
-              up_packed=experts.up.packed, up_sf=experts.up.sf, up_gs=experts.up.gs,
-              down_packed=experts.down.packed, down_sf=experts.down.sf, down_gs=experts.down.gs,
-              x_gs=experts.x_gs, h_gs=experts.h_gs, w_gate=shared.w_gate, w_up=shared.w_up,
-              w_down=shared.w_down, w_sg=shared.w_sg)
+    kw = _kwargs(experts, shared)
     lines = [f"# MoE block at 512 experts ({dt.date.today()})", "",
              f"GPU {torch.cuda.get_device_name()}, torch {torch.__version__}, triton "
              f"{triton.__version__}; copy bandwidth {bw / 1e9:.0f} GB/s (read + write); weights "
@@ -108,10 +171,7 @@ def main() -> None:
         out = torch.empty_like(x)
         run = lambda: triton_moe.moe(x, router, K, **kw, out=out)  # noqa: E731
         run()
-        ref = moe(x[:1].double(), router.double(), NvFp4Experts(
-            experts.gate, experts.up, experts.down, experts.x_gs.double(), experts.h_gs.double()),
-            SharedExpert(*(t.double() for t in (shared.w_gate, shared.w_up, shared.w_down,
-                                                shared.w_sg))), K)
+        ref = _reference(x[:1], router, experts, shared, K)
         err = float((out[:1].double() - ref).abs().max() / (ref.abs().max() * 2 ** -8))
         ms = triton.testing.do_bench(run, rep=200, return_mode="median")
         spec_ms = None

@@ -49,3 +49,23 @@ def rowwise_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     for t in range(a.shape[0]):
         out[t] = (a[t:t + 1].clone() @ b)[0]
     return out
+
+
+def round_operand(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An operand rounding point of a numerics tier (docs/spec.md, "Numerics tiers"): ``x`` rounded
+    once to ``dtype`` (to nearest even) and returned in x's dtype, in reference mode too, since the
+    rounding is the tier's contract, not a storage choice.
+
+    A float64 ``x`` is rounded to fp32 *to odd* first (fp32 keeps at least two more bits than
+    bf16 or fp16), so the result is the correctly rounded value, not the twice-rounded one that
+    torch's float64 -> bf16 cast (through fp32) gives.
+    """
+    if x.dtype != torch.float64:
+        return x.to(dtype).to(x.dtype)
+    y = x.to(torch.float32)
+    y64 = y.to(torch.float64)
+    inexact = (y64 != x) & torch.isfinite(x) & torch.isfinite(y64)
+    bits = y.view(torch.int32)
+    bits = torch.where(inexact & (y64.abs() > x.abs()), bits - 1, bits)   # toward zero
+    bits = torch.where(inexact, bits | 1, bits)                             # sticky last bit
+    return bits.view(torch.float32).to(dtype).to(torch.float64)

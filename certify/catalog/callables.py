@@ -55,6 +55,7 @@ def callable_errors(catalog: Catalog) -> list[FileProblem]:
         fields = [(("spec",), op.spec), (("inputs",), op.inputs)]
         fields += [(("variants", i, "impl"), v.impl) for i, v in enumerate(op.variants)
                    if v.impl != "spec"]
+        fields += [(("numerics", tier, "spec"), t.spec) for tier, t in op.numerics.items()]
         for loc, dotted in fields:
             problem = resolve_problem(dotted)
             if problem:

@@ -64,6 +64,12 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         unknown = rule_names(v.dispatch) - set(op.axes)
         if unknown:
             return ("variants", i, "dispatch"), f"the rule reads unknown axes {sorted(unknown)}"
+        if v.numerics not in op.tiers():
+            return (("variants", i, "numerics"),
+                    f"unknown numerics tier {v.numerics!r} (the op's: {list(op.tiers())})")
+    for tier, t in op.numerics.items():
+        if not any(v.numerics == tier for v in op.variants):
+            return ("numerics", tier), f"no variant claims the tier {tier!r}"
     for i, item in enumerate(op.not_certified):
         for j, v in enumerate(item.variants):
             if v not in variants:

@@ -17,6 +17,8 @@ Tier = Literal["premerge", "postmerge", "ondemand"]
 TIERS: tuple[str, ...] = ("premerge", "postmerge", "ondemand")
 _IDENT = r"^[a-z][a-z0-9_]*$"
 _CALLABLE = r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$"
+# The numerics tier every op has: its spec function and each cell's oracle.
+EXACT = "exact"
 
 
 # A field that says why, not what: left out of the content hash (``certify.receipts.codehash``), so
@@ -62,6 +64,10 @@ class Variant(Strict):
         "its own float64 path"))
     archs: tuple[Arch, ...] = Field(min_length=1)
     dispatch: str = "true"
+    numerics: str = Field(EXACT, pattern=_IDENT, description=(
+        "the numerics tier this variant claims: 'exact' (the op's spec, the cells' oracles) or a "
+        "tier of the op's numerics (its spec path, its bands); a variant is certified and "
+        "dispatched within its tier only"))
     batch_invariant: bool = True
     specialisations: int = Field(1, ge=1, description=(
         "compiled specialisations of this variant (e.g. tile configurations chosen per shape): the "
@@ -109,6 +115,23 @@ class Oracle(Strict):
                                                                      self.against):
             raise ValueError("against must be 'spec', 'spec64' or 'variant:<name>'")
         return self
+
+
+class NumericsTier(Strict):
+    """A numerics contract of an op beside its exact one (e.g. a product's operands rounded to bf16,
+    as peer kernels ship it): the spec path that rounds where the contract rounds, and the bands every
+    variant claiming the tier is held to against that path's float64 result, in every cell it
+    serves. A variant of one tier is never judged by another tier's bands; its receipts also record
+    its error against the exact spec (metrics ``exact.<output>.ulp`` / ``.rel_rms``)."""
+
+    spec: str = Field(pattern=_CALLABLE, description=(
+        "module:function of the tier's spec path (the op's spec signature and outputs)"))
+    outputs: dict[str, OutputBand] = Field(min_length=1, description="a band per output")
+    doc: str = Field(min_length=10, description="what the tier rounds, and where",
+                     json_schema_extra=NOT_HASHED)
+
+    def oracle(self) -> "Oracle":
+        return Oracle(kind="tolerance", outputs=self.outputs)
 
 
 class ExpectedFailure(Strict):
@@ -165,6 +188,9 @@ class OpFile(Strict):
     variants: tuple[Variant, ...] = Field(min_length=1)
     cells: tuple[Cell, ...] = Field(min_length=1)
     not_certified: tuple[NotCertified, ...] = ()
+    numerics: dict[str, NumericsTier] = Field(default_factory=dict, description=(
+        "numerics tiers beside 'exact', by name: each with its spec path and bands; variants "
+        "claim one by their numerics field"))
     within: tuple[str, ...] = Field((), description=(
         "ops whose calls run this op inside them: it is certified on its own but never dispatched as a "
         "separate call, so the reach tracer sees it through them"))
@@ -177,9 +203,30 @@ class OpFile(Strict):
         full.update(cell.axes)
         return full
 
+    @field_validator("numerics")
+    @classmethod
+    def _tier_names(cls, v: dict[str, NumericsTier]) -> dict[str, NumericsTier]:
+        for name in v:
+            if name == EXACT or not re.match(_IDENT, name):
+                raise ValueError(f"tier name {name!r}: a lower-case identifier other than {EXACT!r} "
+                                 "(the exact tier is the op's own spec and cells)")
+        return v
+
+    def tiers(self) -> tuple[str, ...]:
+        """The op's numerics tiers, 'exact' first."""
+        return (EXACT, *self.numerics)
+
+    def spec_of(self, variant: Variant) -> str:
+        """The module:function of the spec a variant is certified against: its tier's."""
+        return self.spec if variant.numerics == EXACT else self.numerics[variant.numerics].spec
+
+    def oracle_of(self, variant: Variant, cell: Cell) -> Oracle:
+        """The oracle a variant is judged by at a cell: the cell's, or its tier's bands."""
+        return cell.oracle if variant.numerics == EXACT else self.numerics[variant.numerics].oracle()
+
     def impl_path(self, variant: Variant) -> str:
-        """The module:function a variant runs ('spec' resolves to the op's spec function)."""
-        return self.spec if variant.impl == "spec" else variant.impl
+        """The module:function a variant runs ('spec' resolves to its tier's spec function)."""
+        return self.spec_of(variant) if variant.impl == "spec" else variant.impl
 
     def variant(self, name: str) -> Variant:
         for v in self.variants:

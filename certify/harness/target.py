@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import importlib
+import math
 import os
 import time
 import traceback
@@ -22,7 +23,7 @@ import torch
 
 from certify.harness import oracles
 from certify.harness.archs import device_for
-from certify.catalog.schema import Cell, OpFile
+from certify.catalog.schema import EXACT, Cell, OpFile, Oracle
 
 
 @dataclass
@@ -99,7 +100,8 @@ class SpecVariant:
 
 def variant_callable(op: OpFile, variant_name: str) -> Callable:
     variant = op.variant(variant_name)
-    return SpecVariant(resolve(op.spec)) if variant.impl == "spec" else resolve(variant.impl)
+    return SpecVariant(resolve(op.spec_of(variant))) if variant.impl == "spec" else \
+        resolve(variant.impl)
 
 
 def seed_for(op: str, cell_id: str) -> int:
@@ -170,18 +172,20 @@ def certify_cell(op: OpFile, variant_name: str, cell: Cell, arch: str,
     t0 = time.perf_counter()
     ran = {"spec": False, "variant": False, "oracle": False}
     try:
-        op.variant(variant_name)  # an unknown variant becomes an error outcome, not a raise
+        variant = op.variant(variant_name)  # an unknown variant becomes an error outcome
         if arch == "cpu-interpret":
             # Triton reads this when a kernel is decorated, so it must be set before the import.
             os.environ.setdefault("TRITON_INTERPRET", "1")
         impl = impl_override or variant_callable(op, variant_name)
-        spec = resolve(op.spec)
+        spec = resolve(op.spec_of(variant))
         case = build_case(op, cell, device_for(arch))
         got = run_variant(impl, case)
         ran["variant"] = True
         digests = {name: tensor_digest(t) for name, t in got.items()}
-        verdicts = _apply_oracle(op, cell, spec, impl, case, got, ran)
+        verdicts = _apply_oracle(op, op.oracle_of(variant, cell), spec, impl, case, got, ran)
         metrics: dict[str, float] = {}
+        if variant.numerics != EXACT:
+            metrics |= exact_errors(resolve(op.spec), case, got)
         problems: list[str] = []
         for v in verdicts:
             metrics.update(v.metrics)
@@ -194,9 +198,21 @@ def certify_cell(op: OpFile, variant_name: str, cell: Cell, arch: str,
                        time.perf_counter() - t0, ran)
 
 
-def _apply_oracle(op: OpFile, cell: Cell, spec: Callable, impl: Callable, case: Case,
+def exact_errors(spec: Callable, case: Case, got: dict[str, torch.Tensor]) -> dict[str, float]:
+    """A tier variant's error against the exact spec's float64 result, recorded beside its verdict
+    (``exact.<output>.ulp`` and ``.rel_rms``, the tolerance oracle's units), never judged: what its
+    tier costs against float64."""
+    ref = run_spec(spec, case, reference=True)
+    out: dict[str, float] = {}
+    for name, t in got.items():
+        if name in ref and t.dtype.is_floating_point:
+            v = oracles.tolerance(name, t.cpu(), ref[name].cpu(), math.inf, math.inf)
+            out |= {f"exact.{k}": x for k, x in v.metrics.items()}
+    return out
+
+
+def _apply_oracle(op: OpFile, o: Oracle, spec: Callable, impl: Callable, case: Case,
                   got: dict[str, torch.Tensor], ran: dict[str, bool]) -> list[oracles.Verdict]:
-    o = cell.oracle
     verdicts: list[oracles.Verdict] = []
     missing = set(case.outputs) - set(got)
     if missing:

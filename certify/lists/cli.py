@@ -97,7 +97,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
     from certify.catalog.load import load_catalog  # noqa: PLC0415
     from certify.files.atomic import atomic_write_text  # noqa: PLC0415
     from certify.lists import load_inputs  # noqa: PLC0415
-    from certify.lists.units import plan_json, plan_units, slurm_script  # noqa: PLC0415
+    from certify.lists.units import k8s_job, plan_json, plan_units, slurm_script  # noqa: PLC0415
     from certify.receipts.store import load_receipts  # noqa: PLC0415
 
     paths = project_paths()
@@ -108,14 +108,19 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         return 1
     units = plan_units(inp, load_catalog(paths.cells), load_receipts(paths.receipts), args.arch,
                        args.outdated)
-    if args.format == "slurm":
+    if args.format in ("slurm", "k8s"):
+        what = "a Slurm array" if args.format == "slurm" else "a Kubernetes Job"
         if len({(u["arch"], u["gpus"]) for u in units}) > 1:
-            print("error: a Slurm array runs on one kind of node: choose one --arch", file=sys.stderr)
+            print(f"error: {what} runs on one kind of node: choose one --arch", file=sys.stderr)
+            return 2
+        if args.format == "k8s" and not args.image:
+            print("error: --format k8s needs --image (the checkout's container image)",
+                  file=sys.stderr)
             return 2
         if not units:
             print("nothing to schedule", file=sys.stderr)
             return 0
-        text = slurm_script(units)
+        text = slurm_script(units) if args.format == "slurm" else k8s_job(units, args.image)
     else:
         text = plan_json(units)
     if args.out:
@@ -129,12 +134,14 @@ def _cmd_plan(args: argparse.Namespace) -> int:
 def add_plan_parser(sub) -> None:
     """The ``plan`` subcommand of ``certify`` (certify/cli.py)."""
     pl = sub.add_parser("plan", help="the certification work as units (targets and gates) for a "
-                                     "scheduler: JSON, or a Slurm array job")
+                                     "scheduler: JSON, a Slurm array or a Kubernetes Indexed Job")
     pl.add_argument("--arch", action="append", help="only units of this arch (repeatable)")
     pl.add_argument("--outdated", action="store_true",
                     help="only targets without a fresh receipt (and every gate)")
-    pl.add_argument("--format", choices=("json", "slurm"), default="json",
+    pl.add_argument("--format", choices=("json", "slurm", "k8s"), default="json",
                     help="json (default): every unit with its cost, arch and hash; slurm: an array "
-                         "job, one task per unit (one --arch)")
+                         "job, one task per unit (one --arch); k8s: a Kubernetes Indexed Job, one "
+                         "completion index per unit (one --arch, with --image)")
+    pl.add_argument("--image", help="k8s: the container image holding the checkout at /workspace")
     pl.add_argument("--out", metavar="FILE", help="write here instead of stdout")
     pl.set_defaults(fn=_cmd_plan)

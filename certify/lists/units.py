@@ -81,3 +81,46 @@ def slurm_script(units: list[dict], receipts: str = "worker-receipts") -> str:
              f'exec python3 -m pytest -q -p no:cacheprovider -p no:randomly -n 0 '
              f'--certify-receipts "{receipts}/$SLURM_ARRAY_TASK_ID" "$unit"']
     return "\n".join(lines) + "\n"
+
+
+# The Kubernetes API version the Job spec is written for (and checked against, with
+# kubernetes-validate's schemas: tests/framework/test_plan.py).
+K8S_VERSION = "1.33"
+
+
+def k8s_job(units: list[dict], image: str, claim: str = "certify-receipts",
+            parallelism: int = 8) -> str:
+    """A Kubernetes Indexed Job (YAML): completion index i runs unit i with pytest in ``image`` (the
+    checkout at its working directory) and writes its receipts under ``/receipts/<i>`` on the
+    PersistentVolumeClaim ``claim``; one GPU per pod (``nvidia.com/gpu``) where a unit needs one
+    (plan one arch per Job); each index retried once on its own; afterwards, with the claim's
+    folders copied back: ``certify merge <folder>``."""
+    import yaml  # noqa: PLC0415
+
+    if not units:
+        raise ValueError("no units to schedule")
+    gpus = max(u["gpus"] for u in units)
+    longest = max(u["seconds"] for u in units)
+    ids = " ".join(shlex.quote(u["id"]) for u in units)
+    script = (f"set -euo pipefail; UNITS=({ids}); unit=${{UNITS[$JOB_COMPLETION_INDEX]}}; "
+              "exec python3 -m pytest -q -p no:cacheprovider -p no:randomly -n 0 "
+              '--certify-receipts "/receipts/$JOB_COMPLETION_INDEX" "$unit"')
+    container = {"name": "certify", "image": image, "workingDir": "/workspace",
+                 "command": ["bash", "-c", script],
+                 "volumeMounts": [{"name": "receipts", "mountPath": "/receipts"}]}
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": gpus}}
+    arches = sorted({u["arch"] for u in units})
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "certify", "labels": {"certify/arch": "-".join(arches)},
+                        "annotations": {"certify/generated-by": "certify plan --format k8s"}},
+           "spec": {"completionMode": "Indexed", "completions": len(units),
+                    "parallelism": min(parallelism, len(units)), "backoffLimitPerIndex": 1,
+                    "maxFailedIndexes": len(units),
+                    "template": {"spec": {
+                        "restartPolicy": "Never",
+                        "activeDeadlineSeconds": max(300, int(longest * 3) + 60),
+                        "containers": [container],
+                        "volumes": [{"name": "receipts",
+                                     "persistentVolumeClaim": {"claimName": claim}}]}}}}
+    return yaml.safe_dump(job, sort_keys=False, width=100)

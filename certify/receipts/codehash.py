@@ -26,7 +26,7 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from certify.files.paths import project_paths
-from certify.catalog.schema import Cell, OpFile
+from certify.catalog.schema import EXACT, Cell, OpFile
 
 ORACLE_MODULES = ("certify.harness.oracles", "certify.harness.target")
 
@@ -138,11 +138,15 @@ def _hashed_value(value: object) -> object:
 
 def content_hash(op: OpFile, variant_name: str, cell: Cell) -> str:
     variant = op.variant(variant_name)
+    spec = op.spec_of(variant)
     parts = {
-        "spec": [op.spec, module_closure(op.spec.partition(":")[0])],
+        "spec": [spec, module_closure(spec.partition(":")[0])],
         "variant": [hashed_fields(variant), module_closure(op.impl_path(variant).partition(":")[0])],
         "inputs": [op.inputs, module_closure(op.inputs.partition(":")[0])],
         "cell": hashed_fields(cell),
         "oracle": [module_closure(m) for m in ORACLE_MODULES],
     }
+    if variant.numerics != EXACT:  # the tier's bands judge it, and the exact spec is measured too
+        parts["numerics"] = [hashed_fields(op.numerics[variant.numerics]),
+                             module_closure(op.spec.partition(":")[0])]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

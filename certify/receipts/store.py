@@ -312,7 +312,10 @@ def evidence_problems(receipt: Receipt, op: OpFile, cell: Cell, arch: str) -> li
         return out
     if not receipt.digests:
         out.append("passed without a digest of any output")
-    o = cell.oracle
+    try:
+        o = op.oracle_of(op.variant(receipt.variant), cell)
+    except KeyError:
+        return out + [f"variant {receipt.variant!r} is not in the op's file"]
     names = sorted(o.outputs) if o.kind == "tolerance" else sorted(receipt.digests)
     for name in names:
         if name not in receipt.digests:

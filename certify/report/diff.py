@@ -148,6 +148,9 @@ def _bands(cat: Catalog) -> dict[tuple[str, str, str], tuple[str, float, float]]
                 continue
             for output, band in o.outputs.items():
                 out[(name, cell.id, output)] = ("tolerance", band.max_ulp, band.max_rel_rms)
+        for tier, t in op.numerics.items():  # a tier's bands hold in every cell its variants serve
+            for output, band in t.outputs.items():
+                out[(name, f"{tier} tier", output)] = ("tolerance", band.max_ulp, band.max_rel_rms)
     return out
 
 

@@ -22,9 +22,9 @@ from certify.reach.claims import Finding, catalog_findings, reach_findings
 from certify.receipts.store import UP_TO_DATE, evidence_problems
 from certify.report.reach_sections import (cost_markdown, gaps_markdown, op_reach_markdown,
                                            terminal_gaps)
-from certify.report.rows import (ARCH_ORDER, MEASURED, STATUSES, Row, _archs, _measured,
+from certify.report.rows import (ARCH_ORDER, EXACT_METRIC, MEASURED, STATUSES, Row, _archs, _measured,
                                  _oracle_text, counts, op_summary)
-from certify.catalog.schema import OpFile
+from certify.catalog.schema import EXACT, OpFile
 
 
 def _status_cell(row: Row, arch: str) -> str:
@@ -146,22 +146,27 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
     md += ["## Variants", "", tabulate(
         [[v.name, f"`{op.impl_path(v)}`" + (" (the spec's own low-precision path)"
                                             if v.impl == "spec" else ""), ", ".join(v.archs), f"`{v.dispatch}`",
-          "yes" if v.batch_invariant else "no"] for v in op.variants],
-        headers=["variant", "impl", "archs", "dispatch rule", "batch-invariant"],
+          v.numerics, "yes" if v.batch_invariant else "no"] for v in op.variants],
+        headers=["variant", "impl", "archs", "dispatch rule", "numerics", "batch-invariant"],
         tablefmt="github"), ""]
     md += ["## Cells", "", tabulate(
-        [[c.id, ", ".join(f"{k}={v}" for k, v in c.axes.items()), c.tier, _oracle_text(op, c.id),
+        [[c.id, ", ".join(f"{k}={v}" for k, v in c.axes.items()), c.tier,
+          _oracle_text(op, c.id) + (" (a tier's variants: its bands)" if op.numerics else ""),
           ", ".join(v.name for v in variants_of_cell(op, c)),
           c.why + (f" (adds: {c.adds})" if c.adds else "")] for c in op.cells],
         headers=["cell", "axes", "tier", "oracle", "variants", "why"], tablefmt="github"), ""]
     if reach is not None or findings is not None:
         md += op_reach_markdown(op, reach, findings or [])
     derivations = [(c.id, n, b) for c in op.cells for n, b in c.oracle.outputs.items()]
+    derivations += [(f"{tier} tier", n, b) for tier, t in op.numerics.items()
+                    for n, b in t.outputs.items()]
     if derivations:
         md += ["## Tolerance bands", ""]
         md += [f"- `{cid}` / `{n}`: {b.max_ulp:g} ulp, rel RMS {b.max_rel_rms:g} eps. {b.derivation}"
                for cid, n, b in derivations]
         md.append("")
+    if op.numerics:
+        md += numerics_markdown(op, rows)
     md += ["## Status", "", tabulate(
         [[r.variant, r.cell, *[_status_cell(r, a) for a in archs]] for r in rows],
         headers=["variant", "cell", *archs], tablefmt="github"), ""]
@@ -174,7 +179,12 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
     if certified:
         for r, arch, _ in certified:
             rc = r.receipts[arch]
-            md.append(f"- `{r.variant}` at `{r.cell}` on {arch}: {_measured(rc) or 'passed'} "
+            exact = {k: v for k, v in rc.metrics.items() if k.startswith(EXACT_METRIC)}
+            against = (" (against the exact spec: " + ", ".join(
+                f"{k[len(EXACT_METRIC):]} {v:.3g}" for k, v in sorted(exact.items())) + ")"
+                if exact else "")
+            md.append(f"- `{r.variant}` at `{r.cell}` on {arch}: "
+                      f"{_measured(rc, op, r.cell) or 'passed'}{against} "
                       f"(receipt {rc.date}, torch {rc.versions.get('torch', '?')}"
                       + (f", CPU dispatch {rc.versions['cpu_capability']}"
                          if not arch.startswith("sm_") and "cpu_capability" in rc.versions else "")
@@ -193,6 +203,40 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
     if op.note.strip():
         md += ["", "## Note", "", op.note.strip()]
     return "\n".join(md) + "\n"
+
+
+def numerics_markdown(op: OpFile, rows: list[Row]) -> list[str]:
+    """The op's numerics tiers side by side: each one's spec path, its variants, and its certified
+    receipts' worst error against the float64 result of the exact spec (a tier variant records it
+    as ``exact.<output>.*``; an exact variant's own metrics are that error)."""
+    outputs = sorted({n for c in op.cells for n in c.oracle.outputs}
+                     | {n for t in op.numerics.values() for n in t.outputs})
+    table = []
+    for tier in op.tiers():
+        spec = op.spec if tier == EXACT else op.numerics[tier].spec
+        names = [v.name for v in op.variants if v.numerics == tier]
+        worst: dict[str, float] = {}
+        for r in rows:
+            if r.variant not in names:
+                continue
+            for arch, status in r.status.items():
+                if status != "certified":
+                    continue
+                m = r.receipts[arch].metrics
+                prefix = "" if tier == EXACT else "exact."
+                for n in outputs:
+                    v = m.get(f"{prefix}{n}.rel_rms")
+                    if v is not None:
+                        worst[n] = max(worst.get(n, 0.0), v)
+        table.append([tier, f"`{spec}`", ", ".join(names),
+                      *[f"{worst[n]:.3g}" if n in worst else "" for n in outputs]])
+    md = ["## Numerics tiers", "",
+          "Each tier is certified against its own spec path and bands. The columns give, over its "
+          "variants' certified receipts, the worst relative RMS error against the exact spec's "
+          "float64 result, in eps of the output's dtype:", "",
+          tabulate(table, headers=["tier", "spec", "variants", *outputs], tablefmt="github"), ""]
+    md += [f"- {tier}: {t.doc}" for tier, t in op.numerics.items()]
+    return md + [""]
 
 
 def report_extras(spec: str | None) -> list[str]:

@@ -13,7 +13,7 @@ from pathlib import Path
 from certify.catalog.load import Catalog
 from certify.catalog.plan import targets
 from certify.receipts.store import Receipt, freshness
-from certify.catalog.schema import OpFile
+from certify.catalog.schema import EXACT, OpFile
 
 
 STATUSES = ("certified", "expected failure", "unexpected pass", "failed", "stale", "invalid",
@@ -42,7 +42,7 @@ def _archs(catalog: Catalog) -> list[str]:
 def worst_banded(r: Receipt, op: OpFile, cell_id: str) -> tuple[str, float, float, int] | None:
     """Of a tolerance cell's banded outputs that the receipt measured, the one nearest its band:
     (name, measured ulp, band ulp, how many banded outputs were measured); None where none is."""
-    oracle = op.cell(cell_id).oracle
+    oracle = op.oracle_of(op.variant(r.variant), op.cell(cell_id))
     if oracle.kind == "bitwise":
         return None
     bands = {n: b.max_ulp for n, b in (oracle.outputs or {}).items() if b.max_ulp}
@@ -54,13 +54,17 @@ def worst_banded(r: Receipt, op: OpFile, cell_id: str) -> tuple[str, float, floa
     return name, v, band, len(banded)
 
 
+EXACT_METRIC = "exact."  # a tier variant's error against the exact spec: recorded, never judged
+
+
 def _measured(r: Receipt | None, op: OpFile | None = None, cell_id: str | None = None) -> str:
     """The receipt's result in one phrase: for a tolerance cell the output nearest its band, as
     measured / band ulp (its name where the cell bands several outputs); bitwise, or how many
     elements differ."""
     if r is None:
         return ""
-    ulps = {k[: -len(".ulp")]: v for k, v in r.metrics.items() if k.endswith(".ulp")}
+    ulps = {k[: -len(".ulp")]: v for k, v in r.metrics.items()
+            if k.endswith(".ulp") and not k.startswith(EXACT_METRIC)}
     if ulps:
         worst = worst_banded(r, op, cell_id) if op is not None and cell_id is not None else None
         if worst:
@@ -73,12 +77,16 @@ def _measured(r: Receipt | None, op: OpFile | None = None, cell_id: str | None =
     return ""
 
 
-def _oracle_text(op: OpFile, cell_id: str) -> str:
-    o = op.cell(cell_id).oracle
+def _oracle_text(op: OpFile, cell_id: str, variant: str | None = None) -> str:
+    """The oracle a (variant, cell) is judged by: the cell's, or for a variant of another numerics
+    tier, its tier's bands (named)."""
+    v = op.variant(variant) if variant is not None else None
+    o = op.oracle_of(v, op.cell(cell_id)) if v is not None else op.cell(cell_id).oracle
     if o.kind == "bitwise":
         return f"bitwise vs {o.against}"
     bands = ", ".join(f"{n} {b.max_ulp:g}u" for n, b in o.outputs.items())
-    return f"tol: {bands}"
+    tier = f" ({v.numerics} tier)" if v is not None and v.numerics != EXACT else ""
+    return f"tol: {bands}{tier}"
 
 
 def list_tier_text(declared: str, by_arch: dict[str, str]) -> str:
@@ -105,7 +113,7 @@ def build_rows(catalog: Catalog, books: dict[str, dict[tuple[str, str, str], Rec
             key = (name, t.variant.name, t.cell.id)
             if key not in rows:
                 rows[key] = Row(name, t.variant.name, t.cell.id, t.cell.tier,
-                                _oracle_text(op, t.cell.id), {}, {}, {})
+                                _oracle_text(op, t.cell.id, t.variant.name), {}, {}, {})
             if listed is not None:
                 item = f"{cells_dir}/{name}.yaml::{t.item_name}"
                 by_arch.setdefault(key, {})[t.arch] = listed.get(item, t.cell.tier)

@@ -52,12 +52,16 @@ class GateEngine(BaseModel):
     max_batch_size: int = Field(8, ge=1, le=128)
     max_num_tokens: int = Field(64, ge=1)
     batch_invariant: bool = False
+    numerics: dict[str, str] = Field(default_factory=dict, description=(
+        "op -> numerics tier (EngineConfig.numerics); left out of the resolved mapping when empty, "
+        "so the references of the exact tiers keep their keys"))
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
         return EngineConfig(model="tiny", model_dtype="bf16", kv_cache_dtype=self.kv_cache_dtype,
                             state_dtype=self.state_dtype, max_batch_size=self.max_batch_size,
                             max_num_tokens=self.max_num_tokens, max_seq_len=max_seq_len,
-                            speculative=self.speculative, batch_invariant=self.batch_invariant)
+                            speculative=self.speculative, batch_invariant=self.batch_invariant,
+                            numerics=self.numerics)
 
 
 def answer_steps(tokens: list[int], num_accepted: list[int]) -> list[int]:
@@ -111,7 +115,7 @@ class FlashNextGates:
         refusals = check(cfg.engine_config(max_seq_len=8192 + 64))
         if refusals:
             raise ValueError("; ".join(str(r) for r in refusals))
-        return cfg.model_dump(mode="json")
+        return cfg.model_dump(mode="json", exclude={"numerics"} if not cfg.numerics else None)
 
     def speculative(self, engine: Mapping[str, Any]) -> bool:
         return GateEngine.model_validate(dict(engine)).speculative is not None

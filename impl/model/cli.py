@@ -128,6 +128,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
                    help="decode steps replay CUDA graphs captured per batch bucket (--device cuda only)")
     e.add_argument("--torch-only", action="store_true",
                    help="dispatch only the variants written in torch (the benchmarks' peer)")
+    e.add_argument("--numerics", action="append", default=[], metavar="OP=TIER",
+                   help="choose OP's variants from its numerics TIER (e.g. "
+                        "gdn_prefill=bf16_operands; default: every op's exact tier); repeatable")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -206,7 +209,17 @@ def _config(args) -> EngineConfig:
         max_seq_len=args.max_seq_len, enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
-        torch_only=args.torch_only)
+        torch_only=args.torch_only, numerics=_numerics(args.numerics))
+
+
+def _numerics(items: list[str]) -> dict[str, str]:
+    out = {}
+    for item in items:
+        op, sep, tier = item.partition("=")
+        if not sep or not op or not tier:
+            raise _Refused(f"--numerics {item!r}: give OP=TIER, e.g. gdn_prefill=bf16_operands")
+        out[op] = tier
+    return out
 
 
 def _refused_fields(err: ValidationError) -> int:

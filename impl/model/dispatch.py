@@ -7,6 +7,10 @@ same axes the op's cell file declares: ``batch``, ``rows``, ``seq_len``, ``state
 serves, so what runs and what is certified cannot disagree. Every choice is counted (``ran``) and, when
 tracing, recorded with its axes (``trace``), so a forward always knows which variant of each op it ran.
 
+Numerics tiers: the choice is made among the variants of the op's configured tier only
+(``numerics``: op -> tier, default 'exact'), so a variant certified against one tier's bands never
+stands in for another's.
+
 Batch-invariant mode restricts the choice to the ops' reference variants (``impl: spec``, the spec's
 own low-precision path): docs/spec.md, "Batch invariance" states the spec path is batch-invariant by
 construction (row-wise math with a fixed reduction order), so in that mode a row's result cannot depend
@@ -18,13 +22,13 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 from certify.catalog.load import Catalog
 from certify.harness.target import resolve
 from certify.catalog.rules import RuleError, evaluate
 from certify.harness.requirements import missing
-from certify.catalog.schema import OpFile, Variant
+from certify.catalog.schema import EXACT, OpFile, Variant
 
 
 @dataclass(frozen=True)
@@ -63,11 +67,12 @@ class Dispatcher:
     """Chooses each op call's variant from the catalog; counts and optionally traces the choices."""
 
     def __init__(self, catalog: Catalog, arch: str, *, batch_invariant: bool = False,
-                 torch_only: bool = False):
+                 torch_only: bool = False, numerics: Mapping[str, str] | None = None):
         self.catalog = catalog
         self.arch = arch
         self.batch_invariant = batch_invariant
         self.torch_only = torch_only
+        self.numerics = dict(numerics or {})  # op -> tier (default: exact)
         self.ran: Counter[tuple[str, str]] = Counter()
         self.trace: list[OpCall] | None = None
         self._impls: dict[tuple[str, str], Callable] = {}
@@ -89,8 +94,9 @@ class Dispatcher:
     def candidates(self, name: str) -> list[Variant]:
         """The variants of ``name`` this dispatcher may choose, in file order."""
         # a variant that calls a peer package is a candidate only where that package is installed
+        tier = self.numerics.get(name, EXACT)
         runnable = [v for v in self.op(name).variants
-                    if self.arch in v.archs and not missing(v)]
+                    if self.arch in v.archs and not missing(v) and v.numerics == tier]
         if self.batch_invariant:
             runnable = [v for v in runnable if v.impl == "spec"]
         if self.torch_only:
@@ -105,7 +111,9 @@ class Dispatcher:
         runnable = self.candidates(name)
         if not runnable:
             mode = " in batch-invariant mode (no reference variant)" if self.batch_invariant else ""
-            raise DispatchError(f"{name}: no variant runs on {self.arch}{mode}")
+            tier = self.numerics.get(name, EXACT)
+            of = f" of its {tier} tier" if tier != EXACT else ""
+            raise DispatchError(f"{name}: no variant{of} runs on {self.arch}{mode}")
         for variant in runnable:
             try:
                 accepted = evaluate(variant.dispatch, own)
@@ -118,6 +126,16 @@ class Dispatcher:
                     self.trace.append(OpCall(name, variant.name, tuple(sorted(own.items()))))
                 return variant
         raise DispatchError(f"{name}: no variant's rule accepts {own} on {self.arch}")
+
+    def tier_spec(self, name: str, variant: Variant) -> Callable | None:
+        """A reference variant's spec function where its tier is not the exact one (the exact
+        tier's reference is the spec the op binding calls): None for the exact tier."""
+        if variant.numerics == EXACT:
+            return None
+        key = (name, variant.name)
+        if key not in self._impls:
+            self._impls[key] = resolve(self.op(name).spec_of(variant))
+        return self._impls[key]
 
     def impl(self, name: str, variant: Variant) -> Callable:
         """The callable of a non-reference variant (its ``impl`` path), resolved once."""

@@ -57,7 +57,7 @@ from certify.catalog.load import Catalog, load_catalog
 from certify.files.paths import project_paths
 from certify.catalog.plan import variants_of_cell
 from certify.catalog.rules import RuleError, evaluate
-from certify.catalog.schema import Cell, OpFile
+from certify.catalog.schema import EXACT, Cell, OpFile
 from spec.config import ModelConfig
 
 ModelPreset = Literal["target", "tiny"]
@@ -111,6 +111,11 @@ class EngineConfig(BaseModel):
     batch_invariant: bool = False
     cuda_graphs: bool = False     # decode steps replay captured graphs (impl/model/graphs.py)
     torch_only: bool = False      # dispatch only variants written in torch (the benchmarks' peer)
+    # op -> numerics tier its variants are chosen from (default 'exact'); rule numerics_tier_runs
+    numerics: dict[str, str] = Field(default_factory=dict)
+
+    def tier_of(self, op: str) -> str:
+        return self.numerics.get(op, EXACT)
 
     def model_geometry(self) -> ModelConfig:
         return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
@@ -266,7 +271,7 @@ def choose_variant(c: EngineConfig, op: OpFile, arch: str) -> Choice:
 
     runnable = [v for v in op.variants
                 if arch in v.archs and (v.impl == "spec" or not c.batch_invariant)
-                and (is_torch_variant(v) or not c.torch_only)]
+                and (is_torch_variant(v) or not c.torch_only) and v.numerics == c.tier_of(op.op)]
     if not runnable:
         return Choice(op.op, None, axes, "none", f"no variant runs on {arch}")
     for v in runnable:
@@ -377,6 +382,34 @@ def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
     return f"no {kind} of {missing[0]} runs on {ctx.arch}{more}"
 
 
+def _numerics_tiers(c: EngineConfig, ctx: RuleContext) -> str | None:
+    from impl.model.dispatch import is_torch_variant
+    from certify.harness.archs import runtime_arch
+    from certify.harness.requirements import missing
+
+    problems = []
+    for name, tier in sorted(c.numerics.items()):
+        op = ctx.catalog.ops.get(name)
+        if op is None:
+            problems.append(f"{name} is not an op of the catalog")
+            continue
+        if tier not in op.tiers():
+            problems.append(f"{name} has no numerics tier {tier!r} (its tiers: "
+                            f"{', '.join(op.tiers())})")
+            continue
+        runs = [v.name for v in op.variants if v.numerics == tier and ctx.arch in v.archs
+                and (v.impl == "spec" or not c.batch_invariant)
+                and (is_torch_variant(v) or not c.torch_only)]
+        if not runs:
+            kind = "reference variant" if c.batch_invariant else "variant"
+            problems.append(f"no {kind} of {name}'s {tier} tier runs on {ctx.arch}")
+            continue
+        if ctx.arch == runtime_arch() and all(missing(op.variant(v)) for v in runs):
+            problems.append(f"{name}'s {tier} tier runs on {ctx.arch} only through "
+                            f"{', '.join(runs)}, whose packages are not installed")
+    return "; ".join(problems) or None
+
+
 def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
     if not c.cuda_graphs:
         return None
@@ -438,6 +471,9 @@ RULES: list[Rule] = [
     Rule("ops_run_on_the_arch",
          "Every op the forward runs has a variant on the arch (in batch-invariant mode, a reference "
          "variant).", _ops_run_on_the_arch),
+    Rule("numerics_tier_runs_on_the_arch",
+         "Every op given a numerics tier declares that tier, and a variant of the tier runs on the "
+         "arch (in batch-invariant mode, a reference variant of it).", _numerics_tiers),
     Rule("cuda_graphs_capture_decode_on_cuda",
          "CUDA graphs run on cuda, for decode steps without speculation, outside batch-invariant "
          "mode and torch_only.", _cuda_graphs),
@@ -510,7 +546,8 @@ def _fmt_config(c: EngineConfig) -> str:
             f"max_batch_size={c.max_batch_size} max_num_tokens={c.max_num_tokens} "
             f"max_seq_len={c.max_seq_len} chunked_prefill={c.enable_chunked_prefill} "
             f"block_reuse={c.enable_block_reuse} speculative={spec} "
-            f"batch_invariant={c.batch_invariant}")
+            f"batch_invariant={c.batch_invariant}"
+            + "".join(f" numerics[{op}]={tier}" for op, tier in sorted(c.numerics.items())))
 
 
 def explain(config: EngineConfig, ctx: RuleContext | None = None,

@@ -53,7 +53,7 @@ def uncapturable_calls(config, ctx) -> list[str]:
                     decode=(Requests(requests=config.max_batch_size, context=config.max_seq_len),),
                     kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
                     max_num_tokens=max(config.max_batch_size, 1))
-    d = Dispatcher(ctx.catalog, ctx.arch)
+    d = Dispatcher(ctx.catalog, ctx.arch, numerics=config.numerics)
     calls = forward_calls(step, ctx.catalog, ctx.model, weights)
     chosen = [(call.op, d.choose(call.op, **dict(call.axes))) for call in calls]
     # The trace runs the reference KV append, which calls the codec ops; a kernel append

@@ -57,6 +57,9 @@ SPECULATION_OPS: tuple[str, ...] = ("gdn_verify", "greedy_verify", "rollback_com
                                     "mtp_draft_input")
 KV_CODEC_OPS: dict[str, str] = {"fp8": "kv_fp8", "nvfp4": "kv_nvfp4"}
 
+# Ops whose binding calls the spec function of a non-exact tier's reference variant (same signature).
+TIER_REFERENCE_BINDINGS: tuple[str, ...] = ("gdn_prefill",)
+
 DTYPE_NAME = {torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64",
               torch.float16: "float16"}
 
@@ -86,9 +89,15 @@ class Ops:
                                 f"only the op's reference variant; add its binding in {__name__}")
 
     def _choose(self, op: str, **axes: Any) -> tuple[bool, Callable | None]:
+        """(True, None) for the exact tier's reference (the binding calls its spec), (True, the
+        tier's spec function) for another tier's reference, (False, impl) for a kernel variant."""
         variant = self.d.choose(op, **axes)
         if variant.impl == "spec":
-            return True, None
+            tier_spec = self.d.tier_spec(op, variant)
+            if tier_spec is not None and op not in TIER_REFERENCE_BINDINGS:
+                raise DispatchError(f"{op}: the reference of tier {variant.numerics!r} was chosen, "
+                                    f"and {__name__} binds only the exact spec of this op")
+            return True, tier_spec
         return False, self.d.impl(op, variant)
 
     # ------------------------------------------------------------------ norms, HC, PLE, MoE
@@ -466,7 +475,7 @@ class Ops:
         ref, fn = self._choose("gdn_prefill", batch=q.shape[0], seq_len=q.shape[1],
                                **self._gdn_axes(q, v))
         if ref:
-            res = spec_gdn.gdn_prefill(q, k, v, a, b, A_log, dt_bias, z, norm_w, state)
+            res = (fn or spec_gdn.gdn_prefill)(q, k, v, a, b, A_log, dt_bias, z, norm_w, state)
             return res["out"], res["final_state"]
         # kernels read whole contiguous tensors; the projections' splits are views
         q, k, v, a, b, z, state = (t.contiguous() for t in (q, k, v, a, b, z, state))

@@ -38,7 +38,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from certify.catalog.load import Catalog
 from certify.reach import Mode, ModeTrace
 from certify.reach.scenarios import ScenarioBase
-from certify.catalog.schema import Variant
+from certify.catalog.schema import EXACT, Variant
 from impl.model.cache import PAGE, EngineCache, GDNPool, scrub_pages, truncate_planes
 from impl.model.dispatch import DispatchError, Dispatcher, OpCall
 from impl.model.engine_config import EngineConfig, RuleContext, SpeculativeConfig, check
@@ -157,7 +157,8 @@ class _ReferenceDispatcher(Dispatcher):
     the calls runs the spec's paths, which run on meta; the modes' choices are made afterwards."""
 
     def candidates(self, name: str) -> list[Variant]:
-        return [v for v in self.op(name).variants if v.impl == "spec"]
+        tier = self.numerics.get(name, EXACT)
+        return [v for v in self.op(name).variants if v.impl == "spec" and v.numerics == tier]
 
 
 def index_share_honoured() -> bool:

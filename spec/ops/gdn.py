@@ -23,10 +23,12 @@ Rounding points (non-reference mode), decided here where docs/spec.md leaves the
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
-from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_to
+from spec.numerics import acc_dtype, is_reference_mode, out_cast, round_operand, round_to
 from spec.ops.norms import gated_rmsnorm
 
 CONV_KERNEL = 4
@@ -202,6 +204,136 @@ def gdn_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
         tail = torch.exp(G[..., -1:] - G)                        # e^{G_C - G_i}
         S = torch.exp(G[..., -1])[..., None, None] * S + (kc * tail[..., None]).transpose(-1, -2) @ U
     return torch.cat(outs, dim=1), S
+
+
+# ---------------------------------------------------------------- the bf16-operand tier
+
+# The rounding points of the bf16_operands tier, in the order a chunk meets them (docs/spec.md,
+# "Numerics tiers"); ``gdn_chunked_bf16_operands(skip=...)`` leaves named ones out, so a test can
+# show each one is where the tier's kernel rounds.
+BF16_OPERAND_POINTS = ("qk_operands", "kk_fp16", "inverse_fp16", "t_bf16", "state_operand",
+                       "sk_bf16", "d_bf16", "v_new_bf16", "qk_scores_bf16", "v_decayed_bf16",
+                       "o_bf16")
+DECAY_FLOOR = 1e-10   # the tier takes the decay as alpha = exp(g) and reads log2(alpha + 1e-10)
+
+
+INVERSE_BLOCK = 8     # the bf16_operands tier inverts 8 x 8 diagonal blocks, then merges pairs
+
+
+def _unit_lower_inverse(A: torch.Tensor, rnd: Callable[[torch.Tensor], torch.Tensor]
+                        ) -> torch.Tensor:
+    """``(I + A)^-1`` for strictly lower-triangular A [..., C, C] (C <= 64), blockwise as the
+    bf16_operands tier computes it, ``rnd`` applied where it rounds (fp16): each 8 x 8 diagonal
+    block's inverse, then per merge of two blocks [[X, 0], [L, Y]] (8 -> 16 -> 32 -> 64) the
+    lower-left block ``rnd(rnd(-(Y^-1 L)) X^-1)``; in the last merge that product's two halves of
+    its inner dimension are rounded apart and added (rounded). A chunk shorter than 64 rows is
+    padded with zero rows (its inverse is the identity there)."""
+    C = A.shape[-1]
+    n = 64 if C <= 64 else C
+    pad = torch.zeros(*A.shape[:-2], n, n, dtype=A.dtype, device=A.device)
+    pad[..., :C, :C] = A
+    eye = torch.eye(INVERSE_BLOCK, dtype=A.dtype, device=A.device)
+    inv = torch.zeros_like(pad)
+    for b0 in range(0, n, INVERSE_BLOCK):
+        blk = slice(b0, b0 + INVERSE_BLOCK)
+        inv[..., blk, blk] = rnd(torch.linalg.solve_triangular(
+            eye + pad[..., blk, blk], eye.expand_as(pad[..., blk, blk]), upper=False,
+            unitriangular=True))
+    size = INVERSE_BLOCK
+    while size < n:
+        for b0 in range(0, n, 2 * size):
+            top, bottom = slice(b0, b0 + size), slice(b0 + size, b0 + 2 * size)
+            dc = rnd(-(inv[..., bottom, bottom] @ pad[..., bottom, top]))
+            x = inv[..., top, top]
+            if 2 * size < n:
+                inv[..., bottom, top] = rnd(dc @ x)
+            else:
+                h = size // 2
+                inv[..., bottom, top] = rnd(rnd(dc[..., :, :h] @ x[..., :h, :])
+                                            + rnd(dc[..., :, h:] @ x[..., h:, :]))
+        size *= 2
+    return inv[..., :C, :C]
+
+
+def gdn_chunked_bf16_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                              beta: torch.Tensor, state: torch.Tensor | None = None,
+                              chunk: int = 64, skip: frozenset[str] = frozenset(),
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule in the chunked form of the bf16_operands tier: (o, final state).
+
+    Per chunk of 64 rows, with the state S [K, V] carried in the acc dtype, c_t the running sum of
+    log2(exp(g) + 1e-10) within the chunk and gamma_t = 2^c_t (every gate applied in the acc dtype
+    to a product's result, never to an operand), and Q, K the l2-normalised q, k rounded to bf16:
+
+    - ``A = fp16(beta_t 2^(c_t - c_i) (K K^T)[t, i])`` below the diagonal; ``T = bf16(fp16((I +
+      A)^-1) diag(beta))``;
+    - ``D = bf16(v - bf16(gamma (K bf16(S))))``; ``v_new = bf16(T D)``;
+    - ``o = scale gamma (Q bf16(S)) + bf16(scale 2^(c_t - c_i) (Q K^T)[t, i], i <= t) v_new``, then
+      bf16(o), with scale = d_k^-1/2;
+    - ``S = 2^c_C S + K^T bf16(2^(c_C - c_t) v_new)``.
+
+    Every product accumulates in the acc dtype. Each rounding is one of ``BF16_OPERAND_POINTS``,
+    applied in reference mode too (``round_operand``); ``skip`` leaves the named ones out. The
+    inverse is exact before its fp16 rounding (the kernel's blockwise inverse rounds inside too: a
+    difference the tier's bands absorb). o is returned in the acc dtype holding bf16 values.
+    """
+    B, T, HV, V = v.shape
+    K = q.shape[-1]
+    acc = acc_dtype(q, k, v, g, beta, state)
+    keep = set(BF16_OPERAND_POINTS) - set(skip)
+    unknown = set(skip) - set(BF16_OPERAND_POINTS)
+    if unknown:
+        raise ValueError(f"unknown rounding points {sorted(unknown)} (known: {BF16_OPERAND_POINTS})")
+
+    def rnd(point: str, x: torch.Tensor, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return round_operand(x, dtype) if point in keep else x
+
+    qh = rnd("qk_operands", _expand_kv_heads(l2norm(q.to(acc)), HV))
+    kh = rnd("qk_operands", _expand_kv_heads(l2norm(k.to(acc)), HV))
+    vf, bf = v.to(acc), beta.to(acc)
+    log2a = torch.log2(torch.exp(g.to(acc)) + DECAY_FLOOR)
+    scale = K ** -0.5
+    S = (torch.zeros(B, HV, K, V, dtype=acc, device=v.device) if state is None else state.to(acc))
+    outs = []
+    for c0 in range(0, T, chunk):
+        sl = slice(c0, min(T, c0 + chunk))
+        qc, kc, vc = (t[:, sl].transpose(1, 2) for t in (qh, kh, vf))   # [B, HV, C, *]
+        bc = bf[:, sl].transpose(1, 2)
+        C = qc.shape[2]
+        c = log2a[:, sl].transpose(1, 2).cumsum(dim=-1)                # [B, HV, C]
+        gamma = torch.exp2(c)
+        lower = torch.ones(C, C, dtype=torch.bool, device=v.device).tril()
+        decay = torch.exp2(c[..., :, None] - c[..., None, :]).masked_fill(~lower, 0.0)
+        strict = lower & ~torch.eye(C, dtype=torch.bool, device=v.device)
+        A = rnd("kk_fp16", (bc[..., :, None] * decay * (kc @ kc.transpose(-1, -2)))
+                .masked_fill(~strict, 0.0), torch.float16)
+        inv = _unit_lower_inverse(A, lambda x: rnd("inverse_fp16", x, torch.float16))
+        Tm = rnd("t_bf16", inv * bc[..., None, :])
+        Sb = rnd("state_operand", S)
+        sk = rnd("sk_bf16", gamma[..., None] * (kc @ Sb))
+        D = rnd("d_bf16", vc - sk)
+        v_new = rnd("v_new_bf16", Tm @ D)
+        qk = rnd("qk_scores_bf16", scale * decay * (qc @ kc.transpose(-1, -2)))
+        o = scale * gamma[..., None] * (qc @ Sb) + qk @ v_new
+        outs.append(rnd("o_bf16", o).transpose(1, 2))
+        vd = rnd("v_decayed_bf16", torch.exp2(c[..., -1:] - c)[..., None] * v_new)
+        S = gamma[..., -1][..., None, None] * S + kc.transpose(-1, -2) @ vd
+    return torch.cat(outs, dim=1), S
+
+
+def gdn_prefill_bf16_operands(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor,
+                              b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                              z: torch.Tensor, norm_w: torch.Tensor,
+                              state: torch.Tensor | None = None,
+                              skip: frozenset[str] = frozenset()) -> dict[str, torch.Tensor]:
+    """``gdn_prefill`` in the bf16_operands tier: the gates as in the exact tier, the recurrence by
+    ``gdn_chunked_bf16_operands`` (o rounded to bf16), then the gated RMSNorm. Same shapes and
+    outputs as ``gdn_prefill``; the final state is fp32 (float64 in reference mode)."""
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
+    o, final = gdn_chunked_bf16_operands(q, k, v, g, beta, state, skip=skip)
+    reference = is_reference_mode(q, k, v, g, beta, state)
+    return {"out": gated_rmsnorm(o, z, norm_w), "final_state": out_cast(final, torch.float32,
+                                                                          reference)}
 
 
 # ---------------------------------------------------------------- the layer's fused steps

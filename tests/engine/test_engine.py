@@ -317,3 +317,18 @@ def test_forward_ops_list_is_what_the_forward_dispatches(weights):
     shared.generate(_requests(LENGTHS, new=3))
     # the shared passes expand the trunk's selection; qsa_select serves rows handed -2 (none today)
     assert "qsa_expand" in INDEX_SHARE_OPS and "qsa_expand" in shared.dispatcher.variants_ran()
+
+
+def test_the_engine_runs_gdn_prefill_at_the_configured_numerics_tier(weights):
+    """EngineConfig.numerics picks gdn_prefill's bf16_operands tier: its variant runs every prefill
+    chunk, the rest of the forward is the exact tier's, and the greedy tokens are those of a run."""
+    config = EngineConfig(model="tiny", max_batch_size=4, max_num_tokens=40, max_seq_len=MAX_LEN,
+                          numerics={"gdn_prefill": "bf16_operands"})
+    e = Engine(config, weights)
+    rep = e.generate(_requests(LENGTHS))
+    ran = e.dispatcher.variants_ran()
+    assert ran["gdn_prefill"] == ["spec_bf16_operands"]
+    assert [len(r.tokens) for r in rep.results.values()] == [6, 6, 6]
+    exact = Engine(config.model_copy(update={"numerics": {}}), weights)
+    exact.generate(_requests(LENGTHS))
+    assert "spec_bf16_operands" not in exact.dispatcher.variants_ran()["gdn_prefill"]

@@ -116,3 +116,20 @@ def test_decode_graph_replay_equals_eager_at_a_full_bucket(target4, kv, state):
     cfg, weights = target4
     runs = [_target_decode(cfg, weights, graphs, kv, state) for graphs in (False, True)]
     assert _full_bucket_steps(runs) >= 4
+
+
+def test_the_target_runs_gdn_prefill_at_its_bf16_operands_tier_on_the_gpu(target4):
+    """With EngineConfig.numerics, gdn_prefill's bf16_operands tier runs on cuda: FlashInfer's
+    kernel where flashinfer is installed (d = 128 at the target), else the tier's spec path."""
+    from certify.harness.requirements import installed
+
+    cfg, weights = target4
+    config = EngineConfig(model="target", device="cuda", max_batch_size=2, max_num_tokens=256,
+                          max_seq_len=512, numerics={"gdn_prefill": "bf16_operands"})
+    e = Engine(config, weights, cfg=cfg)
+    gen = torch.Generator().manual_seed(5)
+    rep = e.generate([Request(request_id=f"r{i}", max_new_tokens=4, prompt=tuple(
+        torch.randint(0, cfg.vocab_size, (200,), generator=gen).tolist())) for i in range(2)])
+    want = "flashinfer_chunked" if installed("flashinfer") else "spec_bf16_operands"
+    assert rep.variants["gdn_prefill"] == [want]
+    assert [len(r.tokens) for r in rep.results.values()] == [4, 4]

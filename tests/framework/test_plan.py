@@ -1,5 +1,6 @@
-"""``certify plan``: the work as units for a scheduler (certify/lists/units.py), and a Slurm array
-task run by hand, whose receipts ``certify merge`` folds back."""
+"""``certify plan``: the work as units for a scheduler (certify/lists/units.py), a Slurm array task
+run by hand, whose receipts ``certify merge`` folds back, and a Kubernetes Indexed Job checked
+against the Kubernetes API's own schema (kubernetes-validate), whose pod command runs as well."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from certify.catalog.load import load_catalog
 from certify.catalog.plan import targets
 from certify.files.paths import project_paths
 from certify.lists import load_inputs
-from certify.lists.units import plan_json, plan_units, slurm_script
+from certify.lists.units import K8S_VERSION, k8s_job, plan_json, plan_units, slurm_script
 from certify.receipts.codehash import content_hash
 from certify.receipts.merge import merge
 from certify.receipts.store import load_receipts
@@ -76,3 +77,36 @@ def test_a_slurm_array_task_certifies_its_unit_and_merge_folds_it_back(tmp_path)
     # made it, the bytes may differ, which merge must call a platform difference, never more.
     assert got.collapsed + len(got.conflicts) == 1, (got.added, got.left_out, got.conflicts)
     assert all(c.kind == "platform" for c in got.conflicts), [str(c) for c in got.conflicts]
+
+
+def test_a_kubernetes_job_validates_against_the_api_schema_and_its_command_runs(tmp_path):
+    import copy
+
+    import pytest
+    import yaml
+    kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+    for arch in ("cpu", "sm_90"):
+        _, units = _plan(archs=[arch])
+        cells = [u for u in units if u["kind"] == "cell"]
+        job = yaml.safe_load(k8s_job(cells, image="registry.example/certify:head"))
+        kubernetes_validate.validate(job, K8S_VERSION, strict=True)
+        spec = job["spec"]
+        assert spec["completionMode"] == "Indexed" and spec["completions"] == len(cells)
+        limits = spec["template"]["spec"]["containers"][0].get("resources", {}).get("limits", {})
+        assert limits == ({"nvidia.com/gpu": 1} if arch == "sm_90" else {})
+    broken = copy.deepcopy(job)
+    broken["spec"]["template"]["spec"]["containers"][0]["gpus"] = 1   # not a field of a container
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, K8S_VERSION, strict=True)
+    # index 0's command, run here with the claim's mount replaced by a folder
+    _, units = _plan(archs=["cpu"])
+    unit = min((u for u in units if u["kind"] == "cell"), key=lambda u: u["seconds"])
+    job = yaml.safe_load(k8s_job([unit], image="registry.example/certify:head"))
+    command = job["spec"]["template"]["spec"]["containers"][0]["command"]
+    script = command[-1].replace("/receipts/", f"{tmp_path}/workers/")
+    env = {**os.environ, "JOB_COMPLETION_INDEX": "0", "PYTHONPATH": str(PATHS.root)}
+    res = subprocess.run([*command[:-1], script], cwd=PATHS.root, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    assert list((tmp_path / "workers" / "0").rglob("cpu.jsonl"))

@@ -28,8 +28,11 @@ def test_a_certified_cell_shows_its_nearest_output_against_its_band():
     op = load_catalog(project_paths().cells).ops["gdn_decode"]
     cell = next(c for c in op.cells if c.oracle.kind != "bitwise" and len(c.oracle.outputs) > 1)
     (a, band_a), (b, band_b) = [(n, o.max_ulp) for n, o in cell.oracle.outputs.items()][:2]
-    near_a = SimpleNamespace(metrics={f"{a}.ulp": 0.9 * band_a, f"{b}.ulp": 0.1 * band_b})
-    near_b = SimpleNamespace(metrics={f"{a}.ulp": 0.1 * band_a, f"{b}.ulp": 0.9 * band_b})
+    variant = op.variants[0].name
+    near_a = SimpleNamespace(variant=variant,
+                             metrics={f"{a}.ulp": 0.9 * band_a, f"{b}.ulp": 0.1 * band_b})
+    near_b = SimpleNamespace(variant=variant,
+                             metrics={f"{a}.ulp": 0.1 * band_a, f"{b}.ulp": 0.9 * band_b})
     assert _measured(near_a, op, cell.id) == f"{0.9 * band_a:.2f}/{band_a:g} ulp {a}"
     assert _measured(near_b, op, cell.id) == f"{0.9 * band_b:.2f}/{band_b:g} ulp {b}"
     assert _measured(SimpleNamespace(metrics={"x.mismatches": 0.0})) == "bitwise"

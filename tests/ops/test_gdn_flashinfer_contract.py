@@ -1,7 +1,8 @@
 """The FlashInfer wrappers (impl/kernels/gdn/flashinfer_ops.py) against a stand-in for flashinfer that
 implements the contract the module's docstring states, with the spec in float64: K-major decode state
 updated in place, V-major prefill state, grouped value heads, raw gates for decode and alpha = exp(g)
-for prefill, l2norm inside, o rounded to bf16. The stand-in checks every shape, dtype and layout it
+for prefill, l2norm inside for decode and in the wrapper for prefill, o rounded to bf16; the prefill
+stand-in computes the bf16_operands tier's path (the tier the prefill variant claims). The stand-in checks every shape, dtype and layout it
 is given, so the wrappers are certified on the CPU against the contract; whether FlashInfer keeps
 that contract is for the sm_90 receipts (the cell files' flashinfer variants) to say.
 """
@@ -52,7 +53,7 @@ def _prefill(state_layout: str):
         N, H, K = q.shape
         HV, V = v.shape[1:]
         seqs = cu_seqlens.numel() - 1
-        assert scale is None and output_final_state and use_qk_l2norm_in_kernel
+        assert scale is None and output_final_state and not use_qk_l2norm_in_kernel
         for x, shape, dtype, name in ((q, (N, H, K), BF16, "q"), (k, (N, H, K), BF16, "k"),
                                       (v, (N, HV, V), BF16, "v"), (g, (N, HV), torch.float32, "g"),
                                       (beta, (N, HV), torch.float32, "beta"),
@@ -64,9 +65,11 @@ def _prefill(state_layout: str):
             lo, hi = int(cu_seqlens[i]), int(cu_seqlens[i + 1])
             s0 = initial_state[i].double()
             s0 = s0.transpose(-1, -2) if state_layout == "V-major" else s0
-            o, _, final = gdn.gdn_recurrent(q[None, lo:hi].double(), k[None, lo:hi].double(),
-                                            v[None, lo:hi].double(), g[None, lo:hi].double().log(),
-                                            beta[None, lo:hi].double(), s0[None], record=False)
+            # the bf16_operands tier's path on the q, k it was given (normalised, bf16)
+            o, final = gdn.gdn_chunked_bf16_operands(
+                q[None, lo:hi].double(), k[None, lo:hi].double(), v[None, lo:hi].double(),
+                g[None, lo:hi].double().log(), beta[None, lo:hi].double(), s0[None],
+                skip=frozenset({"qk_operands"}))
             output[lo:hi] = o[0].to(BF16)
             final = final[0].transpose(-1, -2) if state_layout == "V-major" else final[0]
             output_state[i] = final.float()

@@ -1,7 +1,8 @@
-"""Every benchmark script with a ``--smoke`` path runs it on the CPU at this revision, as
-``python3 bench/NAME.py --smoke`` from outside any checkout with nothing on ``PYTHONPATH``: the script
-finds the project through ``bench/bench_common.py`` and its cell files through the framework's
-fallback root, as on the GPU machine where nothing is installed."""
+"""Every benchmark script (each ``bench/*.py`` but the helper ``bench_common.py``) has a ``--smoke``
+path, and it runs on the CPU at this revision, as ``python3 bench/NAME.py --smoke`` from outside any
+checkout with nothing on ``PYTHONPATH``: the script finds the project through ``bench/bench_common.py``
+and its cell files through the framework's fallback root, as on the GPU machine where nothing is
+installed. A new script without a smoke path fails here."""
 
 from __future__ import annotations
 
@@ -15,7 +16,19 @@ import pytest
 from certify.files.paths import _find_root
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if '"--smoke"' in p.read_text())
+HELPERS = {"bench_common.py"}   # imported by the scripts, not run
+SCRIPTS = sorted(p.name for p in (ROOT / "bench").glob("*.py") if p.name not in HELPERS)
+
+
+def test_there_are_bench_scripts():
+    assert SCRIPTS and "bench_common.py" not in SCRIPTS
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_bench_script_has_a_smoke_path(script):
+    assert '"--smoke"' in (ROOT / "bench" / script).read_text(encoding="utf-8"), (
+        f"bench/{script} has no --smoke path: add one that runs on the CPU at tiny shapes and "
+        "writes nothing (see bench/gdn_decode.py)")
 
 
 def test_the_framework_falls_back_to_its_checkout_outside_any_project(tmp_path):

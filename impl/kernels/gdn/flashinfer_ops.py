@@ -13,9 +13,12 @@ contract is, as measured on the H200 by bench/gdn_decode.py and bench/gdn_prefil
   K^-1/2, the output o in bf16;
 - prefill (``flashinfer.gdn_prefill.chunk_gated_delta_rule``): tokens flattened to ``[B * T, ...]``
   with ``cu_seqlens``, the decay given as alpha = exp(g) and beta in fp32 (computed here), the fp32
-  state V-major ``[N, HV, V, K]`` (the transpose of the spec's), l2norm inside, o in bf16.
+  state V-major ``[N, HV, V, K]`` (the transpose of the spec's), q and k l2-normalised here (fp32,
+  then bf16) with the kernel's normalisation off, o in bf16. Its numerics are the gdn_prefill tier
+  ``bf16_operands`` (spec.ops.gdn.gdn_prefill_bf16_operands): chunks of 64, the state's and the
+  chunk's products on bf16 operands, the triangular inverse in fp16.
 
-Both round o to bf16 before the norm, a rounding the spec does not have; the cells' bands decide
+Decode rounds o to bf16 before the norm, a rounding the spec does not have; its cells' bands decide
 whether it fits. The package is imported inside the calls (``REQUIRES`` declares it): the catalog
 loads without it, the certification skips these variants where it is not installed, and the engine
 does not dispatch to them there.
@@ -27,8 +30,10 @@ import torch
 import torch.nn.functional as F
 
 from impl.kernels.gdn.torch_ops import _gated_norm
+from impl.kernels.gdn.triton_chunked import gated_norm, l2norm_rows
 
 REQUIRES = ("flashinfer",)
+L2NORM_EPS = 1e-6   # the spec's (spec.ops.gdn.L2NORM_EPS), inside the square root
 
 
 def gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, *, out) -> None:
@@ -56,6 +61,11 @@ def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out,
 
     B, T, hk, K = q.shape
     hv, V = v.shape[2:]
+    # l2norm here, in fp32, rounded to bf16 (the tier's first rounding point): the kernel's own
+    # normalisation is a flag whose use varies between releases, so it is turned off
+    qn, kn = torch.empty_like(q), torch.empty_like(k)
+    l2norm_rows(q.contiguous(), out=qn, eps=L2NORM_EPS)
+    l2norm_rows(k.contiguous(), out=kn, eps=L2NORM_EPS)
     # the spec's gates in fp32: g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(b)
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias.float())
     alpha = g.exp().reshape(B * T, hv).contiguous()
@@ -64,9 +74,9 @@ def gdn_prefill_chunked(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, *, out,
     cu = torch.arange(0, B + 1, device=q.device, dtype=torch.int32) * T
     o = torch.empty(B * T, hv, V, dtype=v.dtype, device=v.device)
     fin = torch.empty_like(s0)
-    chunk_gated_delta_rule(q.reshape(B * T, hk, K).contiguous(), k.reshape(B * T, hk, K).contiguous(),
+    chunk_gated_delta_rule(qn.reshape(B * T, hk, K), kn.reshape(B * T, hk, K),
                            v.reshape(B * T, hv, V).contiguous(), g=alpha, beta=beta, scale=None,
                            initial_state=s0, output_final_state=True, cu_seqlens=cu,
-                           use_qk_l2norm_in_kernel=True, output=o, output_state=fin)
-    out.copy_(_gated_norm(o.reshape(B, T, hv, V).float(), z, norm_w))
+                           use_qk_l2norm_in_kernel=False, output=o, output_state=fin)
+    gated_norm(o, z.contiguous(), norm_w, out=out)
     final_state.copy_(fin.transpose(-1, -2))

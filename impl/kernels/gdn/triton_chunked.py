@@ -325,11 +325,46 @@ def _gated_norm_kernel(o_buf, z, norm_w, out, n_rows, row0, seq_rows, o_seq_rows
     offs = tl.arange(0, V)
     ptr = rows[:, None].to(tl.int64) * V + offs[None, :]
     o_ptr = (seq * o_seq_rows + row0 + local)[:, None].to(tl.int64) * V + offs[None, :]
-    o = tl.load(o_buf + o_ptr, mask=m[:, None], other=0.0)
+    o = tl.load(o_buf + o_ptr, mask=m[:, None], other=0.0).to(tl.float32)
     zz = tl.load(z + ptr, mask=m[:, None], other=0.0).to(tl.float32)
     w = tl.load(norm_w + offs).to(tl.float32)
     tl.store(out + ptr, _gated_norm_rows(o, w, zz, norm_eps, V).to(out.dtype.element_ty),
              mask=m[:, None])
+
+
+@triton.jit
+def _l2norm_rows_kernel(x, out, n_rows, eps, D: tl.constexpr, R: tl.constexpr):
+    """Rows of x scaled to unit norm, ``x * rsqrt(sum(x^2) + eps)`` in fp32 (spec.ops.gdn.l2norm),
+    stored in out (bf16)."""
+    rows = tl.program_id(0) * R + tl.arange(0, R)
+    m = rows < n_rows
+    ptr = rows[:, None].to(tl.int64) * D + tl.arange(0, D)[None, :]
+    xf = tl.load(x + ptr, mask=m[:, None], other=0.0).to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) + eps)
+    # rounded to bf16 to nearest even first: the interpreter's cast alone truncates
+    tl.store(out + ptr, round_to_bf16(xf * r[:, None]).to(out.dtype.element_ty), mask=m[:, None])
+
+
+def l2norm_rows(x: torch.Tensor, *, out: torch.Tensor, eps: float = 1e-6) -> None:
+    """``out`` (bf16) = the rows (last dim, a power of two) of contiguous ``x`` l2-normalised, one
+    launch."""
+    if out.dtype != torch.bfloat16:
+        raise ValueError(f"l2norm_rows stores bf16, not {out.dtype}")
+    D = x.shape[-1]
+    rows = x.numel() // D
+    R = 16
+    _l2norm_rows_kernel[(triton.cdiv(rows, R),)](x, out, rows, eps, D=D, R=R, num_warps=4)
+
+
+def gated_norm(o: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, *, out: torch.Tensor
+               ) -> None:
+    """The gated RMSNorm of every row of contiguous ``o`` (bf16 or fp32) into ``out`` (bf16), the
+    prefill's third launch on its own."""
+    V = o.shape[-1]
+    rows = o.numel() // V
+    R = 16
+    _gated_norm_kernel[(triton.cdiv(rows, R), 1)](o, z, norm_w, out, rows, 0, rows, rows,
+                                                  NORM_EPS, V=V, R=R, num_warps=4)
 
 
 # tuned on the H200 (reports/bench/gdn_prefill.md); one line (the device probe rewrites it)
