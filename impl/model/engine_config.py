@@ -57,7 +57,7 @@ from certify.catalog.load import Catalog, load_catalog
 from certify.files.paths import project_paths
 from certify.catalog.plan import variants_of_cell
 from certify.catalog.rules import RuleError, evaluate
-from certify.catalog.schema import EXACT, Cell, OpFile
+from certify.catalog.schema import EXACT, Cell, OpFile, Variant
 from spec.config import ModelConfig
 
 ModelPreset = Literal["target", "tiny"]
@@ -262,16 +262,22 @@ class Choice:
     note: str = ""
 
 
+def runnable_variants(c: EngineConfig, op: OpFile, arch: str, tier: str) -> list[Variant]:
+    """The variants of ``op``'s ``tier`` the configuration may run on ``arch``, in file order: in
+    batch-invariant mode its references only, with torch_only those written in torch only."""
+    from impl.model.dispatch import is_torch_variant
+
+    return [v for v in op.variants
+            if v.numerics == tier and arch in v.archs and (v.impl == "spec" or not c.batch_invariant)
+            and (is_torch_variant(v) or not c.torch_only)]
+
+
 def choose_variant(c: EngineConfig, op: OpFile, arch: str) -> Choice:
     """First variant in file order that runs on ``arch`` and whose rule accepts the config's axes. A
     rule that reads an axis the config does not fix (e.g. seq_len) is decided per step: then the first
     variant runnable on the arch is listed, with the axes that decide."""
     axes = _config_axes(c, op)
-    from impl.model.dispatch import is_torch_variant
-
-    runnable = [v for v in op.variants
-                if arch in v.archs and (v.impl == "spec" or not c.batch_invariant)
-                and (is_torch_variant(v) or not c.torch_only) and v.numerics == c.tier_of(op.op)]
+    runnable = runnable_variants(c, op, arch, c.tier_of(op.op))
     if not runnable:
         return Choice(op.op, None, axes, "none", f"no variant runs on {arch}")
     for v in runnable:
@@ -383,7 +389,6 @@ def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 
 def _numerics_tiers(c: EngineConfig, ctx: RuleContext) -> str | None:
-    from impl.model.dispatch import is_torch_variant
     from certify.harness.archs import runtime_arch
     from certify.harness.requirements import missing
 
@@ -397,9 +402,7 @@ def _numerics_tiers(c: EngineConfig, ctx: RuleContext) -> str | None:
             problems.append(f"{name} has no numerics tier {tier!r} (its tiers: "
                             f"{', '.join(op.tiers())})")
             continue
-        runs = [v.name for v in op.variants if v.numerics == tier and ctx.arch in v.archs
-                and (v.impl == "spec" or not c.batch_invariant)
-                and (is_torch_variant(v) or not c.torch_only)]
+        runs = [v.name for v in runnable_variants(c, op, ctx.arch, tier)]
         if not runs:
             kind = "reference variant" if c.batch_invariant else "variant"
             problems.append(f"no {kind} of {name}'s {tier} tier runs on {ctx.arch}")
