@@ -45,13 +45,15 @@ import torch
 
 import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
 from certify.catalog.load import load_op_file
-from certify.harness.target import build_case, run_spec, run_variant, variant_callable
+from certify.harness.target import build_case, resolve, run_spec, run_variant, variant_callable
 from certify.harness.oracles import tolerance
 from certify.files.paths import project_paths
 from spec.ops import gdn
 from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
-TIMED = ("gluon_chunked", "triton_chunked", "torch_chunked")
+TIMED = ("gluon_chunked", "triton_chunked", "torch_chunked", "flashinfer_chunked")
+# the variants the engine dispatches on sm_90, per numerics tier, in the catalog's order
+DISPATCHED = {"exact": ("gluon_chunked", "triton_chunked"), "bf16_operands": ("flashinfer_chunked",)}
 # the chunked kernels whose launches (prologue, state pass, norm) are timed one by one too: their
 # modules (the catalog's impl paths) have a launch_plan
 LAUNCHES = ("gluon_chunked", "triton_chunked")
@@ -170,14 +172,27 @@ SMOKE_CELL = "short_t37"   # batch 2, 37 tokens: one partial chunk
 CPU_ARCHS = {"cpu", "cpu-interpret"}
 
 
+def tier_bands(op, name, cell) -> dict[str, tuple[float, float]]:
+    """The bands of the variant's numerics tier at the cell (the cell's own for the exact tier)."""
+    return {n: (b.max_ulp, b.max_rel_rms)
+            for n, b in op.oracle_of(op.variant(name), cell).outputs.items()}
+
+
+def tier_ref(op, name, case, refs: dict) -> dict:
+    """The float64 outputs of the variant's numerics tier's spec path, computed once per tier."""
+    tier = op.variant(name).numerics
+    if tier not in refs:
+        refs[tier] = run_spec(resolve(op.spec_of(op.variant(name))), case, True)
+    return refs[tier]
+
+
 def smoke(op) -> None:
     """Each timed variant with a CPU arch at short_t37's shape on the CPU, checked against the float64
     spec with the cell's bands; the others and the peers skipped with the reason; nothing timed or
     written."""
     cell = next(c for c in op.cells if c.id == SMOKE_CELL)
-    bands = {n: (b.max_ulp, b.max_rel_rms) for n, b in cell.oracle.outputs.items()}
     case = build_case(op, cell, torch.device("cpu"))
-    ref = run_spec(gdn.gdn_prefill, case, True)
+    tier_refs: dict[str, dict] = {}
     shape = f"{SMOKE_CELL} (batch {cell.axes['batch']}, {cell.axes['seq_len']} tokens)"
     failed = False
     for name in TIMED:
@@ -187,7 +202,8 @@ def smoke(op) -> None:
             print(f"smoke {name} {shape}: skipped ({why}; archs {sorted(archs)})")
             continue
         try:
-            ok, errs = check(name, run_variant(variant_callable(op, name), case), ref, bands)
+            ok, errs = check(name, run_variant(variant_callable(op, name), case),
+                             tier_ref(op, name, case, tier_refs), tier_bands(op, name, cell))
         except Exception as e:  # noqa: BLE001 - reported, and the smoke fails
             ok, errs = False, f"{type(e).__name__}: {str(e)[:200]}"
         print(f"smoke {name} {shape}: {'ok' if ok else 'FAILED'} (out ulp / rel RMS eps ; final "
@@ -220,13 +236,14 @@ def main() -> None:
 
     op = load_op_file(project_paths().cells / "gdn_prefill.yaml")
     cell0 = next(c for c in op.cells if c.id == "long_t8192")
-    bands = {n: (b.max_ulp, b.max_rel_rms) for n, b in cell0.oracle.outputs.items()}
     bw = copy_bandwidth()
     rows, sweep_rows, peer_notes = [], [], []
     for T in (int(x) for x in args.seq_lens.split(",")):
         cell = cell0.model_copy(update={"id": f"bench_t{T}", "axes": {**cell0.axes, "seq_len": T}})
         case = build_case(op, cell, torch.device("cuda"))
-        ref = run_spec(gdn.gdn_prefill, case, True)
+        tier_refs: dict[str, dict] = {}
+        ref = tier_ref(op, "gluon_chunked", case, tier_refs)
+        bands = tier_bands(op, "gluon_chunked", cell0)
         i = case.inputs
         nbytes = sum(i[n].numel() * i[n].element_size() for n in ("q", "k", "v", "z", "a", "b"))
         nbytes += i["z"].numel() * 2 + 2 * i["state"].numel() * 4
@@ -235,7 +252,8 @@ def main() -> None:
             try:
                 fn = variant_callable(op, name)
                 got = run_variant(fn, case)
-                ok, errs = check(name, got, ref, bands)
+                ok, errs = check(name, got, tier_ref(op, name, case, tier_refs),
+                                 tier_bands(op, name, cell0))
             except Exception as e:  # noqa: BLE001 - a variant that cannot run here is reported
                 ok, errs = False, f"not run ({type(e).__name__}: {str(e)[:80]})"
             out, fin = _buffers(case)
@@ -293,7 +311,7 @@ def main() -> None:
                 row[peer] = f"not run ({type(e).__name__}: {str(e)[:80]})"
         rows.append(row)
         print(row, flush=True)
-        del case, ref, refs
+        del case, ref, refs, tier_refs
         torch.cuda.empty_cache()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     import triton
@@ -305,17 +323,21 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - an absent peer is reported in its column
             versions[peer] = "not installed"
     cfg = triton_chunked.default_config(128)
-    head = ["T", "floor us", "gluon_chunked us", "triton_chunked us", "torch_chunked us", "flashinfer us",
-            "fla us", "dispatched / floor", "dispatched / flashinfer", "dispatched / fla"]
+    head = ["T", "floor us", "gluon_chunked us", "triton_chunked us", "torch_chunked us",
+            "flashinfer_chunked us", "flashinfer us", "fla us", "exact dispatched / floor",
+            "exact dispatched / flashinfer", "exact dispatched / fla",
+            "bf16_operands dispatched / flashinfer"]
     lines = [f"# GDN prefill, one sequence, {torch.cuda.get_device_name()}, "
              f"{dt.date.today().isoformat()}", "",
              f"Versions: {versions}. Copy bandwidth (read + write) measured in this run: "
              f"{bw / 1e12:.2f} TB/s. Geometry: 16 key heads, 48 value heads, d_k = d_v = 128, bf16 "
              f"q/k/v/z, fp32 state. Times: median, microseconds (CUDA-graph replays unless noted). "
              f"triton_chunked runs its default configuration {cfg}; each variant was checked against "
-             f"the float64 spec with the cell bands first (NaN = failed the check or did not run). The "
-             f"dispatched variant is the first of gluon_chunked, triton_chunked that passed (the "
-             f"catalog's order on sm_90). The peers run the recurrence only (no gated norm).", "",
+             f"its numerics tier's float64 spec path with the tier's bands at long_t8192 first (NaN = "
+             f"failed the check or did not run). The dispatched variant of a tier is the first of "
+             f"{DISPATCHED} that passed (the catalog's order on sm_90); flashinfer_chunked is "
+             f"FlashInfer's kernel inside the variant's wrapper (the l2norm and the gated norm "
+             f"launches included). The peers run the recurrence only (no gated norm).", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def ratio(a, b) -> str:
@@ -325,16 +347,19 @@ def main() -> None:
             return "-"
 
     for r in rows:
-        disp = next((r[n] for n in ("gluon_chunked", "triton_chunked") if r[n] == r[n]), float("nan"))
+        disp, disp_bf16 = (next((r[n] for n in names if r[n] == r[n]), float("nan"))
+                           for names in DISPATCHED.values())
         lines.append("| " + " | ".join([str(r["T"]), f"{r['floor_us']:.1f}", f"{r['gluon_chunked']:.1f}",
                                          f"{r['triton_chunked']:.1f}", f"{r['torch_chunked']:.1f}",
+                                         f"{r['flashinfer_chunked']:.1f}",
                                          str(r.get("flashinfer", "-")), str(r.get("fla", "-")),
                                          f"{disp / r['floor_us']:.2f}x", ratio(disp, r.get("flashinfer")),
-                                         ratio(disp, r.get("fla"))]) + " |")
+                                         ratio(disp, r.get("fla")),
+                                         ratio(disp_bf16, r.get("flashinfer"))]) + " |")
     lines += ["", "Errors against float64 (out ulp / relative RMS eps ; final state ulp / relative RMS eps) "
               "and each launch (us):", ""]
     for r in rows:
-        for n in ("gluon_chunked", "triton_chunked"):
+        for n in ("gluon_chunked", "triton_chunked", "flashinfer_chunked"):
             lines.append(f"- T={r['T']} {n}: {r[n + '_err']}; launches: {r.get(n + '_launches', '-')}")
     lines += ["", "Peer checks (relative Frobenius error against the float64 recurrence; 'grouped' is "
               "the spec's head mapping, value head h reads key head h // 3; 'interleaved' reads "

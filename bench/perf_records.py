@@ -1,7 +1,7 @@
 """Perf records for dispatch (GPU): every variant of an op timed at every shape the forward reaches.
 
 Run on the GPU machine from the repository root:
-    python3 bench/perf_records.py --op gdn_prefill --cell long_t8192 [--arch sm_90] [--out DIR]
+    python3 bench/perf_records.py --op gdn_prefill [--cell long_t8192] [--arch sm_90] [--out DIR]
     python3 bench/perf_records.py --smoke    # the same steps on the CPU at short_t37, nothing written
 
 For each shape the reach file (reports/reach.json) records for the op in the arch's mode, each
@@ -64,11 +64,18 @@ def time_call(fn, cuda: bool = True) -> tuple[float, str]:
         return triton.testing.do_bench(fn, rep=200, return_mode="median") * 1e3, "plain"
 
 
+def nearest_cell(op, axes: dict):
+    """The op's cell sharing the most axis values with the shape (the first such in file order), so
+    a shape takes the bands of a cell of its own kind (its state dtype, its KV dtype)."""
+    return max(op.cells, key=lambda c: sum(op.axes_of(c).get(k) == v for k, v in axes.items()))
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--op", default="gdn_prefill")
-    p.add_argument("--cell", default="long_t8192",
-                   help="the cell whose oracle and axes the shapes start from")
+    p.add_argument("--cell", default=None,
+                   help="the cell whose oracle and axes the shapes start from (default: for each "
+                        "shape, the op's cell that shares the most axis values with it)")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--out", default=None, help="records folder (default reports/perf)")
     p.add_argument("--smoke", action="store_true",
@@ -81,8 +88,7 @@ def main() -> None:
         args.cell, args.arch = "short_t37", "cpu"
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: perf records come from the GPU machine (use --smoke here)")
-    template = op.cell(args.cell)
-    shapes = ([op.axes_of(template)] if args.smoke else
+    shapes = ([op.axes_of(op.cell(args.cell))] if args.smoke else
               traced_shapes(load_reach(paths.reach), args.arch).get(op.op, []))
     if not shapes:
         raise SystemExit(f"the reach file records no call of {op.op} on {args.arch}")
@@ -92,6 +98,7 @@ def main() -> None:
     base_versions = {"python": platform.python_version(), "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none"}
     for axes in shapes:
+        template = op.cell(args.cell) if args.cell else nearest_cell(op, axes)
         cell = template.model_copy(update={"id": "perf", "axes": {**template.axes, **{
             k: v for k, v in axes.items() if k in template.axes or k in op.axes}}})
         case = build_case(op, cell, device)
