@@ -49,6 +49,7 @@ from certify.harness.target import build_case, resolve, run_spec, run_variant, v
 from certify.harness.oracles import tolerance
 from certify.files.paths import project_paths
 from spec.ops import gdn
+from spec.ops.norms import EPS as NORM_EPS
 from bench_common import copy_bandwidth  # noqa: E402  (bench/ is the script's folder)
 
 TIMED = ("gluon_chunked", "triton_chunked", "torch_chunked", "flashinfer_chunked")
@@ -136,10 +137,11 @@ def peer_fla(case, refs):
     return call, f"o {_rel(o, o_ref):.1e}, state {_rel(fin, fin_ref):.1e}"
 
 
-def peer_flashinfer(case, refs):
-    """FlashInfer's chunk_gated_delta_rule (SM90 CuTe DSL): tokens flattened with cu_seqlens, the
-    decay given as alpha = exp(g), beta fp32, state [N, HV, V, K] (transposed), l2norm in the kernel,
-    GVA heads passed as they are (16 q/k heads, 48 v heads)."""
+def _flashinfer_call(case):
+    """FlashInfer's chunk_gated_delta_rule (SM90 CuTe DSL) on the case: tokens flattened with
+    cu_seqlens, the decay given as alpha = exp(g), beta fp32, state [N, HV, V, K] (transposed),
+    l2norm in the kernel, GVA heads passed as they are (16 q/k heads, 48 v heads). Returns the call
+    and the output and final-state buffers it writes."""
     from flashinfer.gdn_prefill import chunk_gated_delta_rule as fi_chunk
 
     i = case.inputs
@@ -157,6 +159,14 @@ def peer_flashinfer(case, refs):
     call = lambda: fi_chunk(q, k, v, g=alpha, beta=bet, scale=None,  # noqa: E731
                             initial_state=s0, output_final_state=True, cu_seqlens=cu,
                             use_qk_l2norm_in_kernel=True, output=out, output_state=fin)
+    return call, out, fin
+
+
+def peer_flashinfer(case, refs):
+    """FlashInfer's recurrence alone (_flashinfer_call), checked against the float64 recurrence
+    under each head mapping in ``refs``."""
+    B, T, hv, V = case.inputs["v"].shape
+    call, out, fin = _flashinfer_call(case)
     call()
     torch.cuda.synchronize()
     o = out.reshape(B, T, hv, V)
@@ -167,7 +177,32 @@ def peer_flashinfer(case, refs):
     return call, "; ".join(errs)
 
 
-PEERS = {"flashinfer": peer_flashinfer, "fla": peer_fla}
+def peer_flashinfer_norm(case, refs):
+    """The whole op as an engine composes it from the peers: FlashInfer's recurrence
+    (_flashinfer_call) and then fla's gated RMSNorm (FusedRMSNormGated, swish gate, the spec's eps)
+    of its o with z, so the timing covers what the variants compute. ``refs["out"]``: the float64
+    op's output."""
+    from fla.modules import FusedRMSNormGated
+
+    i = case.inputs
+    B, T, hv, V = i["v"].shape
+    recurrence, o, _ = _flashinfer_call(case)
+    norm = FusedRMSNormGated(V, eps=NORM_EPS, activation="swish").to("cuda")
+    with torch.no_grad():
+        norm.weight.copy_(i["norm_w"].float())
+    z = i["z"].reshape(B * T, hv, V)
+
+    def call():
+        recurrence()
+        with torch.no_grad():
+            return norm(o, z)
+
+    got = call().reshape(B, T, hv, V)
+    torch.cuda.synchronize()
+    return call, f"out {_rel(got, refs['out']):.1e} (against the float64 op)"
+
+
+PEERS = {"flashinfer": peer_flashinfer, "fla": peer_fla, "flashinfer+fla_norm": peer_flashinfer_norm}
 SMOKE_CELL = "short_t37"   # batch 2, 37 tokens: one partial chunk
 CPU_ARCHS = {"cpu", "cpu-interpret"}
 
@@ -299,11 +334,12 @@ def main() -> None:
                 sweep_rows.append((cfg, us, ok, errs))
                 print("sweep", cfg, f"{us:.1f}", ok, errs, flush=True)
         refs = {"grouped": _recurrence_ref(case)}
+        peer_refs = {"out": ref["out"]}
         for peer, make in ({} if args.no_peers else PEERS).items():
             try:
                 if peer == "flashinfer":
                     refs.setdefault("interleaved", _recurrence_ref(case, interleaved=True))
-                call, err = make(case, refs)
+                call, err = make(case, peer_refs if peer == "flashinfer+fla_norm" else refs)
                 us, how = bench(call)
                 row[peer] = f"{us:.1f}" + ("" if how == "graph" else " (plain launches)")
                 peer_notes.append(f"T={T} {peer}: {err}")
@@ -311,7 +347,7 @@ def main() -> None:
                 row[peer] = f"not run ({type(e).__name__}: {str(e)[:80]})"
         rows.append(row)
         print(row, flush=True)
-        del case, ref, refs, tier_refs
+        del case, ref, refs, peer_refs, tier_refs
         torch.cuda.empty_cache()
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     import triton
@@ -326,7 +362,8 @@ def main() -> None:
     head = ["T", "floor us", "gluon_chunked us", "triton_chunked us", "torch_chunked us",
             "flashinfer_chunked us", "flashinfer us", "fla us", "exact dispatched / floor",
             "exact dispatched / flashinfer", "exact dispatched / fla",
-            "bf16_operands dispatched / flashinfer"]
+            "flashinfer+fla_norm us", "bf16_operands dispatched / flashinfer",
+            "bf16_operands dispatched / flashinfer+fla_norm"]
     lines = [f"# GDN prefill, one sequence, {torch.cuda.get_device_name()}, "
              f"{dt.date.today().isoformat()}", "",
              f"Versions: {versions}. Copy bandwidth (read + write) measured in this run: "
@@ -337,7 +374,9 @@ def main() -> None:
              f"failed the check or did not run). The dispatched variant of a tier is the first of "
              f"{DISPATCHED} that passed (the catalog's order on sm_90); flashinfer_chunked is "
              f"FlashInfer's kernel inside the variant's wrapper (the l2norm and the gated norm "
-             f"launches included). The peers run the recurrence only (no gated norm).", "",
+             f"launches included). The peers flashinfer and fla run the recurrence only (no gated norm); "
+             f"flashinfer+fla_norm is the whole op from the peers: FlashInfer's recurrence, then "
+             f"fla's gated RMSNorm.", "",
              "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
 
     def ratio(a, b) -> str:
@@ -355,7 +394,9 @@ def main() -> None:
                                          str(r.get("flashinfer", "-")), str(r.get("fla", "-")),
                                          f"{disp / r['floor_us']:.2f}x", ratio(disp, r.get("flashinfer")),
                                          ratio(disp, r.get("fla")),
-                                         ratio(disp_bf16, r.get("flashinfer"))]) + " |")
+                                         str(r.get("flashinfer+fla_norm", "-")),
+                                         ratio(disp_bf16, r.get("flashinfer")),
+                                         ratio(disp_bf16, r.get("flashinfer+fla_norm"))]) + " |")
     lines += ["", "Errors against float64 (out ulp / relative RMS eps ; final state ulp / relative RMS eps) "
               "and each launch (us):", ""]
     for r in rows:
