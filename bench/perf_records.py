@@ -6,9 +6,10 @@ Run on the GPU machine from the repository root:
 
 For each shape the reach file (reports/reach.json) records for the op in the arch's mode, each
 variant of the op on the arch (whose packages are installed) is first checked against its tier's
-oracle at that shape (the oracle of ``--cell``, the template whose axes the shape replaces, or the
-variant's numerics tier's bands), then timed: the median of CUDA-graph replays (bench_common's
-method), or, for a call over 20 ms (a row-at-a-time loop), the median of three plain calls. A
+oracle at that shape (the oracle of the template cell whose axes the shape replaces: ``--cell``, or
+the op's cell sharing the most axis values with the shape; a tier variant takes its tier's bands),
+then timed: the median of CUDA-graph replays (bench_common's method), or, for a call over 20 ms (a
+row-at-a-time loop), the median of three plain calls, or, over 500 ms, one call after a warm-up. A
 variant that fails its check gets no record. The records are merged into DIR/<arch>.jsonl (default
 reports/perf), which certify.perf.check_dispatch and tests/framework/test_perf_dispatch.py read.
 """
@@ -127,7 +128,7 @@ def main() -> None:
                     continue
                 bufs = {n: torch.empty(s.shape, dtype=s.dtype, device=device)
                         for n, s in case.outputs.items() if n not in case.inplace}
-                us, how = time_call(lambda: impl(**case.inputs, **bufs), cuda=not args.smoke)
+                us, how = time_call(lambda i=case.inputs, b=bufs: impl(**i, **b), cuda=not args.smoke)
             except Exception as e:  # noqa: BLE001 - a variant that cannot run here is reported
                 print(f"{v.name} at {axes}: not timed ({type(e).__name__}: {str(e)[:200]})",
                       flush=True)

@@ -28,7 +28,8 @@ class PerfRecord(BaseModel):
     arch: str
     axes: dict[str, AxisValue] = Field(description="every axis of the op at the timed shape")
     us: float = Field(gt=0, description="median microseconds of one call")
-    how: str = Field(description="'graph' (CUDA-graph replays) or 'plain' (launches)")
+    how: str = Field(description="'graph' (CUDA-graph replays), 'plain' (launches) or 'once' "
+                                 "(one call after a warm-up, for a call over half a second)")
     script: str = Field(description="the benchmark that measured it")
     date: str
     versions: dict[str, str] = {}
