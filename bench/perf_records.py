@@ -2,7 +2,7 @@
 
 Run on the GPU machine from the repository root:
     python3 bench/perf_records.py --op gdn_prefill [--cell long_t8192] [--arch sm_90] [--out DIR]
-    python3 bench/perf_records.py --smoke    # the same steps on the CPU at short_t37, nothing written
+    python3 bench/perf_records.py --smoke [--op OP] [--cell CELL]   # on the CPU, nothing written
 
 For each shape the reach file (reports/reach.json) records for the op in the arch's mode, each
 variant of the op on the arch (whose packages are installed) is first checked against its tier's
@@ -83,13 +83,16 @@ def main() -> None:
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--out", default=None, help="records folder (default reports/perf)")
     p.add_argument("--smoke", action="store_true",
-                   help="the cell short_t37 on the CPU (its own shape, not the reach's); no records")
+                   help="the same steps on the CPU at one cell's own shape (--cell, default the "
+                        "op's first cell; short_t37 for gdn_prefill): every CPU variant must pass "
+                        "its check after the others' timed calls; no records")
     args = p.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
     paths = project_paths()
     op = load_op_file(paths.cells / f"{args.op}.yaml")
     if args.smoke:
-        args.cell, args.arch = "short_t37", "cpu"
+        args.cell = args.cell or ("short_t37" if op.op == "gdn_prefill" else op.cells[0].id)
+        args.arch = "cpu"
     elif not torch.cuda.is_available():
         raise SystemExit("no CUDA device: perf records come from the GPU machine (use --smoke here)")
     shapes = ([op.axes_of(op.cell(args.cell))] if args.smoke else
@@ -97,7 +100,7 @@ def main() -> None:
     if not shapes:
         raise SystemExit(f"the reach file records no call of {op.op} on {args.arch}")
     device = torch.device("cpu" if args.smoke else "cuda")
-    records = []
+    records, failed = [], []
     today = dt.date.today().isoformat()
     base_versions = {"python": platform.python_version(), "torch": torch.__version__,
                      "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "none"}
@@ -125,6 +128,7 @@ def main() -> None:
                     problems.append("only tolerance oracles are checked here")
                 if problems:
                     print(f"{v.name} at {axes}: no record, its check failed: {problems}", flush=True)
+                    failed.append(v.name)
                     continue
                 bufs = {n: torch.empty(s.shape, dtype=s.dtype, device=device)
                         for n, s in case.outputs.items() if n not in case.inplace}
@@ -147,8 +151,8 @@ def main() -> None:
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
     if args.smoke:
-        if not records:
-            raise SystemExit("smoke: no variant passed its check")
+        if failed or not records:
+            raise SystemExit(f"smoke: {', '.join(failed) or 'no variant'} failed the check")
         print(f"smoke passed ({len(records)} variants checked and timed); nothing written")
         return
     out = write_perf(args.out or perf_dir(paths), records)

@@ -43,3 +43,15 @@ def test_the_bench_script_smoke_runs(script, tmp_path):
     assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
     assert "smoke" in res.stdout, res.stdout[-2000:]
     assert not list(tmp_path.iterdir()), "a smoke run writes nothing"
+
+
+def test_perf_records_check_each_variant_on_the_inputs_the_reference_saw(tmp_path):
+    """gdn_decode updates its state in place: the timed calls of one variant must not leave the
+    next variant checking a state the float64 reference never saw (it then fails its band)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "TRITON_INTERPRET")}
+    res = subprocess.run([sys.executable, str(ROOT / "bench" / "perf_records.py"), "--smoke",
+                          "--op", "gdn_decode"], cwd=tmp_path, env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, (res.stdout + res.stderr)[-3000:]
+    timed = [line for line in res.stdout.splitlines() if line.startswith("smoke ") and " us (" in line]
+    assert len(timed) >= 2, res.stdout[-2000:]     # a variant checked after another's timed calls
