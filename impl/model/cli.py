@@ -110,6 +110,8 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
                    help="rows a step may run, prompt chunks included")
     e.add_argument("--max-seq-len", type=int, default=131072,
                    help="prompt + output + draft positions a request may hold")
+    e.add_argument("--tokens-per-block", type=int, default=32,
+                   help="tokens a KV page holds (the QSA block; only the spec's 32 is accepted)")
     e.add_argument("--no-chunked-prefill", action="store_true",
                    help="run each prompt as one context step")
     e.add_argument("--block-reuse", action="store_true",
@@ -206,7 +208,8 @@ def _config(args) -> EngineConfig:
         model=args.preset, device=args.device, model_dtype=args.model_dtype, kv_cache_dtype=args.kv_dtype,
         state_dtype=args.state_dtype, moe_backend=args.moe_backend,
         max_batch_size=args.max_batch_size, max_num_tokens=args.max_num_tokens,
-        max_seq_len=args.max_seq_len, enable_chunked_prefill=not args.no_chunked_prefill,
+        max_seq_len=args.max_seq_len, tokens_per_block=args.tokens_per_block,
+        enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
         torch_only=args.torch_only, numerics=_numerics(args.numerics))

@@ -59,6 +59,7 @@ from certify.catalog.plan import variants_of_cell
 from certify.catalog.rules import RuleError, evaluate
 from certify.catalog.schema import EXACT, Cell, OpFile, Variant
 from spec.config import ModelConfig
+from spec.ops.qsa import TOKENS_PER_BLOCK
 
 ModelPreset = Literal["target", "tiny"]
 ModelDtype = Literal["bf16", "fp16", "fp32"]
@@ -105,6 +106,7 @@ class EngineConfig(BaseModel):
     max_batch_size: int = Field(8, ge=1)
     max_num_tokens: int = Field(8192, ge=1)
     max_seq_len: int = Field(131072, ge=1)
+    tokens_per_block: int = Field(TOKENS_PER_BLOCK, ge=1)   # a KV page; rule tokens_per_block_is_the_specs
     enable_chunked_prefill: bool = True
     enable_block_reuse: bool = False
     speculative: SpeculativeConfig | None = None
@@ -335,6 +337,15 @@ def _verify_width(c: EngineConfig, ctx: RuleContext) -> str | None:
     return "; ".join(problems) or None
 
 
+def _tokens_per_block(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.tokens_per_block == TOKENS_PER_BLOCK:
+        return None
+    return (f"tokens_per_block {c.tokens_per_block}: a KV page is the QSA block, which the spec "
+            f"(spec/ops/qsa.py) and every certified cell define at {TOKENS_PER_BLOCK} tokens (its "
+            f"block keys, its sink and local windows, the top-k over blocks); another page size has "
+            f"no spec and no cell")
+
+
 def _nvfp4_kv(c: EngineConfig, ctx: RuleContext) -> str | None:
     if c.kv_cache_dtype != "nvfp4":
         return None
@@ -465,6 +476,9 @@ RULES: list[Rule] = [
     Rule("verify_width_certified",
          "Every verify-width op's dispatched variant has a certified cell at least as wide as the "
          "draft length needs, with the configured state dtype.", _verify_width),
+    Rule("tokens_per_block_is_the_specs",
+         f"A KV page holds {TOKENS_PER_BLOCK} tokens, the QSA block of the spec and of every "
+         "certified cell.", _tokens_per_block),
     Rule("nvfp4_kv_needs_chunked_prefill_block_reuse_or_speculation",
          "nvfp4 KV runs only with chunked prefill, block reuse or speculation enabled.", _nvfp4_kv),
     Rule("max_batch_size_within_reach",

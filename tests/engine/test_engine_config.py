@@ -151,6 +151,16 @@ def test_max_seq_len_within_reach():
     assert r.reason == "max_seq_len 131073 exceeds the context reach of qk_norm_rope (131072)"
 
 
+def test_tokens_per_block_other_than_the_specs_is_refused(capsys):
+    assert check(EngineConfig(tokens_per_block=32), default_context(EngineConfig())) == []
+    for tpb in (16, 64):
+        r = only(EngineConfig(tokens_per_block=tpb))
+        assert r.rule == "tokens_per_block_is_the_specs"
+        assert r.reason.startswith(f"tokens_per_block {tpb}: a KV page is the QSA block")
+    assert cli.main(["explain", "--tokens-per-block", "64"]) == 2
+    assert "REFUSED by 1 rule(s): tokens_per_block_is_the_specs" in capsys.readouterr().out
+
+
 def test_token_budget_holds_a_step():
     r = only(EngineConfig(max_batch_size=8, max_num_tokens=31, speculative=spec(3)))
     assert r.rule == "token_budget_holds_a_step"
