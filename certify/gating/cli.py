@@ -97,7 +97,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
         if args.jobs > 1 and len(chosen) > 1:
             # longest first (last measured cost): the jobs then end close together
-            order = sorted(chosen, key=lambda g: (-_last_seconds(settings, g.gate), g.gate))
+            from certify.lists.selection import gate_report_seconds
+
+            last = gate_report_seconds(settings.reports)   # a gate never measured sorts first
+            order = sorted(chosen, key=lambda g: (-last.get(g.gate, float("inf")), g.gate))
             task = bar.add_task(f"{len(order)} gates in {args.jobs} jobs", total=len(order))
 
             def done(result) -> None:
@@ -120,14 +123,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for path in store.save():
         print(f"wrote {path.relative_to(settings.gates.parent.parent)}")
     return 1 if bad[0] else 0
-
-
-def _last_seconds(settings, name: str) -> float:
-    """The gate's last measured cost; a gate never measured sorts first (inf)."""
-    path = settings.reports / f"{name}.json"
-    if not path.is_file():
-        return float("inf")
-    return float(json.loads(path.read_text()).get("seconds") or 0.0)
 
 
 def _last_cost(settings, name: str) -> str:
