@@ -440,24 +440,32 @@ def _attend_one(q: list[float], keys: list[list[float]], values: list[list[float
     return [math.fsum(e[j] * values[j][d] for j in range(len(keys))) / z for d in range(len(q))]
 
 
+def _gated_heads(q_row, gate_row, k, v, positions, group: int, interleaved_heads: bool) -> list:
+    """One query row's heads: each attends to K and V [T, n_kv, D] at ``positions`` through its KV
+    head (h // group, or h % n_kv for the wrong, interleaved mapping), then the sigmoid gate."""
+    n_q, D = q_row.shape
+    n_kv = k.shape[1]
+    scale = 1.0 / math.sqrt(D)
+    heads = []
+    for h in range(n_q):
+        kvh = h % n_kv if interleaved_heads else h // group
+        keys = [k[j, kvh].tolist() for j in positions]
+        vals = [v[j, kvh].tolist() for j in positions]
+        o = _attend_one(q_row[h].tolist(), keys, vals, scale)
+        heads.append([od * _sigmoid(g) for od, g in zip(o, gate_row[h].tolist())])
+    return heads
+
+
 def second_dense_gqa(q, k, v, gate, interleaved_heads: bool = False,
                      causal: bool = True) -> torch.Tensor:
     """Per (query i, head h): attend to tokens 0..i of KV head h // group, then ``o * sigmoid(gate)``."""
     T, n_q, D = q.shape
     n_kv = k.shape[1]
     group = n_q // n_kv
-    scale = 1.0 / math.sqrt(D)
     out = []
     for i in range(T):
-        heads = []
-        for h in range(n_q):
-            kvh = h % n_kv if interleaved_heads else h // group
-            last = i + 1 if causal else T
-            keys = [k[j, kvh].tolist() for j in range(last)]
-            vals = [v[j, kvh].tolist() for j in range(last)]
-            o = _attend_one(q[i, h].tolist(), keys, vals, scale)
-            heads.append([od * _sigmoid(g) for od, g in zip(o, gate[i, h].tolist())])
-        out.append(heads)
+        out.append(_gated_heads(q[i], gate[i], k, v, range(i + 1 if causal else T),
+                                group, interleaved_heads))
     return torch.tensor(out, dtype=F64)
 
 
@@ -482,7 +490,6 @@ def second_sparse_gqa(q, gate, tokens, seq_ids, k_seq, v_seq, interleaved_heads:
     N, n_q, D = q.shape
     n_kv = k_seq[0].shape[1]
     group = n_q // n_kv
-    scale = 1.0 / math.sqrt(D)
     out = []
     for r in range(N):
         s = int(seq_ids[r])
@@ -490,14 +497,8 @@ def second_sparse_gqa(q, gate, tokens, seq_ids, k_seq, v_seq, interleaved_heads:
             toks = list(range(int(dense_upto[r]) + 1))
         else:
             toks = [int(j) for j in tokens[r].tolist() if j >= 0]
-        heads = []
-        for h in range(n_q):
-            kvh = h % n_kv if interleaved_heads else h // group
-            keys = [k_seq[s][j, kvh].tolist() for j in toks]
-            vals = [v_seq[s][j, kvh].tolist() for j in toks]
-            o = _attend_one(q[r, h].tolist(), keys, vals, scale)
-            heads.append([od * _sigmoid(g) for od, g in zip(o, gate[r, h].tolist())])
-        out.append(heads)
+        out.append(_gated_heads(q[r], gate[r], k_seq[s], v_seq[s], toks, group,
+                                interleaved_heads))
     return torch.tensor(out, dtype=F64)
 
 
