@@ -125,22 +125,25 @@ def check(inp: dict, rows: int = 4, fn=None) -> float:
 KV_AXIS = {"bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 
 
-def decode_variants(kv: str) -> tuple[list[tuple[str, object]], str]:
-    """The decode variants that read ``kv`` pages on sm_90 (name, wrapper), and the one the catalog's
-    dispatch rules choose there (first match in file order, certify/cells/qsa_sparse_gqa.yaml). The
-    spec's own path (``impl: spec``, the batch-invariant reference) is no kernel to time."""
+def decode_variants(kv: str, inp: dict) -> tuple[list[tuple[str, str]], str]:
+    """The decode variants that read ``kv`` pages on sm_90 at ``inp``'s geometry (name, impl path),
+    and the one the catalog's dispatch rules choose there (first match in file order,
+    certify/cells/qsa_sparse_gqa.yaml). The spec's own path (``impl: spec``, the batch-invariant
+    reference) is no kernel to time."""
+    op = load_catalog(project_paths().cells).ops["qsa_sparse_gqa"]
+    q = inp["q"]
+    axes = {"step": "decode", "kv_dtype": KV_AXIS[kv], "batch": q.shape[0], "rows": q.shape[0],
+            "act_dtype": "bfloat16", "q_heads": q.shape[1], "head_dim": q.shape[-1]}
+    found = [(v.name, v.impl) for v in op.variants
+             if "sm_90" in v.archs and v.impl != "spec" and evaluate(v.dispatch, axes)]
+    return found, found[0][0] if found else None
+
+
+def load_impl(path: str):
     import importlib
 
-    op = load_catalog(project_paths().cells).ops["qsa_sparse_gqa"]
-    axes = {"step": "decode", "kv_dtype": KV_AXIS[kv]}
-    found, chosen = [], None
-    for v in op.variants:
-        if "sm_90" not in v.archs or v.impl == "spec" or not evaluate(v.dispatch, axes):
-            continue
-        module, _, name = v.impl.partition(":")
-        found.append((v.name, getattr(importlib.import_module(module), name)))
-        chosen = chosen or v.name
-    return found, chosen
+    module, _, name = path.partition(":")
+    return getattr(importlib.import_module(module), name)
 
 
 SHAPES = [(n, w, s, p) for n in (32, 64) for w in (2, 4, 8) for s in (1, 2, 3) for p in (2, 4)]
@@ -180,6 +183,8 @@ def main() -> None:
             inp = decode_inputs(2, 2, 4, 4, 2, 32, kv, "cpu")
             print(f"smoke {kv}: max ulp vs float64 spec {check(inp, 2):.2f}; "
                   f"KV bytes {kv_bytes(inp)}; peer ran: {torch_peer(inp)().shape}")
+            # the dispatch rules read every axis they name at the bench's geometry (sm_90 rules)
+            print(f"smoke {kv}: sm_90 decode variants {[n for n, _ in decode_variants(kv, inp)[0]]}")
         return
     import triton
     import triton.testing
@@ -201,8 +206,9 @@ def main() -> None:
             peer_us = f"{triton.testing.do_bench(peer, rep=200, return_mode='median') * 1e3:.1f}"
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             peer_us = f"not run ({type(e).__name__})"
-        variants, chosen = decode_variants(kv)
-        for name, fn in variants:
+        variants, chosen = decode_variants(kv, inp)
+        for name, path in variants:
+            fn = load_impl(path)
             ulp = check(inp, fn=fn)
             print(f"[{time.perf_counter() - t0:.0f}s] {kv} {name}: checked, max ulp {ulp:.2f}",
                   flush=True)
