@@ -8,7 +8,8 @@
 #     bash tools/device_bench_all.sh [SECONDS_PER_SCRIPT] [SCRIPT ...]   # default 120, every script
 set -u
 out=${OUT:?run this through the GPU machine, which sets OUT}
-export PYTHONUNBUFFERED=1
+# the staged wheels (the catalog's pydantic among them); the scripts add the checkout themselves
+export PYTHONPATH=/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
 limit=${1:-120}
 shift || true
 scripts=("$@")
