@@ -33,6 +33,7 @@ from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4
 from impl.kernels.qsa.triton_sparse_gqa import _DECODE_SHAPE, triton_decode
 from certify.catalog.load import load_catalog
 from certify.catalog.rules import evaluate
+from certify.harness.target import variant_callable
 from spec.ops.kv_storage import fp8_load, fp8_quantize, nvfp4_global_scale, nvfp4_load, nvfp4_quantize
 from spec.ops.qsa import qsa_sparse_gqa
 
@@ -122,28 +123,21 @@ def check(inp: dict, rows: int = 4, fn=None) -> float:
     return v.metrics["out.ulp"]
 
 
+OP = load_catalog(project_paths().cells).ops["qsa_sparse_gqa"]
 KV_AXIS = {"bf16": "bfloat16", "fp8": "fp8", "nvfp4": "nvfp4"}
 
 
-def decode_variants(kv: str, inp: dict) -> tuple[list[tuple[str, str]], str]:
-    """The decode variants that read ``kv`` pages on sm_90 at ``inp``'s geometry (name, impl path),
-    and the one the catalog's dispatch rules choose there (first match in file order,
+def decode_variants(kv: str, inp: dict) -> tuple[list[str], str | None]:
+    """The decode variants that read ``kv`` pages on sm_90 at ``inp``'s geometry, and the one the
+    catalog's dispatch rules choose there (first match in file order,
     certify/cells/qsa_sparse_gqa.yaml). The spec's own path (``impl: spec``, the batch-invariant
     reference) is no kernel to time."""
-    op = load_catalog(project_paths().cells).ops["qsa_sparse_gqa"]
     q = inp["q"]
     axes = {"step": "decode", "kv_dtype": KV_AXIS[kv], "batch": q.shape[0], "rows": q.shape[0],
             "act_dtype": "bfloat16", "q_heads": q.shape[1], "head_dim": q.shape[-1]}
-    found = [(v.name, v.impl) for v in op.variants
+    found = [v.name for v in OP.variants
              if "sm_90" in v.archs and v.impl != "spec" and evaluate(v.dispatch, axes)]
-    return found, found[0][0] if found else None
-
-
-def load_impl(path: str):
-    import importlib
-
-    module, _, name = path.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return found, found[0] if found else None
 
 
 SHAPES = [(n, w, s, p) for n in (32, 64) for w in (2, 4, 8) for s in (1, 2, 3) for p in (2, 4)]
@@ -184,7 +178,7 @@ def main() -> None:
             print(f"smoke {kv}: max ulp vs float64 spec {check(inp, 2):.2f}; "
                   f"KV bytes {kv_bytes(inp)}; peer ran: {torch_peer(inp)().shape}")
             # the dispatch rules read every axis they name at the bench's geometry (sm_90 rules)
-            print(f"smoke {kv}: sm_90 decode variants {[n for n, _ in decode_variants(kv, inp)[0]]}")
+            print(f"smoke {kv}: sm_90 decode variants {decode_variants(kv, inp)[0]}")
         return
     import triton
     import triton.testing
@@ -207,8 +201,8 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 - a peer that cannot run is reported, not fatal
             peer_us = f"not run ({type(e).__name__})"
         variants, chosen = decode_variants(kv, inp)
-        for name, path in variants:
-            fn = load_impl(path)
+        for name in variants:
+            fn = variant_callable(OP, name)
             ulp = check(inp, fn=fn)
             print(f"[{time.perf_counter() - t0:.0f}s] {kv} {name}: checked, max ulp {ulp:.2f}",
                   flush=True)

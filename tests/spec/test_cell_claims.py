@@ -18,18 +18,18 @@ E4M3_MIN_NORMAL = 2.0 ** -6
 E4M3_MIN_SUBNORMAL = 2.0 ** -9
 
 
-def _input(op: str, cell: str, name: str) -> torch.Tensor:
+def _inputs(op: str, cell: str) -> dict[str, torch.Tensor]:
     spec = CATALOG.ops[op]
-    case = build_case(spec, spec.cell(cell), torch.device("cpu"))
-    return case.inputs[name].float().abs()
+    return build_case(spec, spec.cell(cell), torch.device("cpu")).inputs
 
 
 def test_the_fp8_verify_append_stays_well_inside_e4m3_as_its_why_says():
     # "the outlier channel ... reaches |k| of about 11, a fortieth of e4m3's 448, so no value saturates"
     why = CATALOG.ops["qsa_kv_append"].cell("verify_b32_k7_fp8").why
     assert "about 11" in why and "no value" in why and "saturates" in why
+    inputs = _inputs("qsa_kv_append", "verify_b32_k7_fp8")
     for name in ("k", "v"):
-        top = float(_input("qsa_kv_append", "verify_b32_k7_fp8", name).max())
+        top = float(inputs[name].float().abs().max())
         assert 8.0 <= top <= 14.0 and top < E4M3_MAX / 32, (name, top)
 
 
@@ -37,7 +37,7 @@ def test_the_fp8_quantiser_cell_reaches_saturation_and_subnormals_as_its_why_say
     # "a channel in e4m3's subnormal range (2^-9 .. 2^-6 ...) and a channel past 448 that must saturate"
     why = CATALOG.ops["kv_fp8"].cell("decode_b32").why
     assert "subnormal" in why and "past 448" in why
-    x = _input("kv_fp8", "decode_b32", "x")
+    x = _inputs("kv_fp8", "decode_b32")["x"].float().abs()
     assert float(x.max()) > E4M3_MAX
     assert bool(((x >= E4M3_MIN_SUBNORMAL) & (x < E4M3_MIN_NORMAL)).any())
     assert bool(((x > 0) & (x < E4M3_MIN_SUBNORMAL)).any()), "no value below 2^-9 to flush"
