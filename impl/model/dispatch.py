@@ -100,7 +100,9 @@ class Dispatcher:
         if self.batch_invariant:
             runnable = [v for v in runnable if v.impl == "spec"]
         if self.torch_only:
-            runnable = [v for v in runnable if is_torch_variant(v)]
+            # the torch compositions first, the references only where an op has none
+            runnable = sorted((v for v in runnable if is_torch_variant(v)),
+                              key=lambda v: v.impl == "spec")
         return runnable
 
     def choose(self, name: str, **axes: Any) -> Variant:

@@ -62,6 +62,7 @@ from spec.config import ModelConfig
 from spec.ops.qsa import TOKENS_PER_BLOCK
 
 ModelPreset = Literal["target", "tiny"]
+PleTables = Literal["device", "host"]
 ModelDtype = Literal["bf16", "fp16", "fp32"]
 KvCacheDtype = Literal["bf16", "fp8", "nvfp4", "fp16", "int8"]
 StateDtype = Literal["fp32", "bf16", "fp16"]
@@ -113,6 +114,10 @@ class EngineConfig(BaseModel):
     batch_invariant: bool = False
     cuda_graphs: bool = False     # decode steps replay captured graphs (impl/model/graphs.py)
     torch_only: bool = False      # dispatch only variants written in torch (the benchmarks' peer)
+    # where the PLE tables E and G live: device memory, or host memory registered with the CUDA
+    # runtime and mapped into the device's address space (impl/model/placement.py); rule
+    # ple_host_tables_on_cuda
+    ple_tables: PleTables = "device"
     # op -> numerics tier its variants are chosen from (default 'exact'); rule numerics_tier_runs
     numerics: dict[str, str] = Field(default_factory=dict)
 
@@ -266,12 +271,15 @@ class Choice:
 
 def runnable_variants(c: EngineConfig, op: OpFile, arch: str, tier: str) -> list[Variant]:
     """The variants of ``op``'s ``tier`` the configuration may run on ``arch``, in file order: in
-    batch-invariant mode its references only, with torch_only those written in torch only."""
+    batch-invariant mode its references only; with torch_only those written in torch only, the
+    torch compositions before the references (``Dispatcher.candidates``)."""
     from impl.model.dispatch import is_torch_variant
 
-    return [v for v in op.variants
-            if v.numerics == tier and arch in v.archs and (v.impl == "spec" or not c.batch_invariant)
-            and (is_torch_variant(v) or not c.torch_only)]
+    runnable = [v for v in op.variants
+                if v.numerics == tier and arch in v.archs
+                and (v.impl == "spec" or not c.batch_invariant)
+                and (is_torch_variant(v) or not c.torch_only)]
+    return sorted(runnable, key=lambda v: c.torch_only and v.impl == "spec")
 
 
 def choose_variant(c: EngineConfig, op: OpFile, arch: str) -> Choice:
@@ -445,6 +453,13 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
     return None
 
 
+def _ple_tables(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.ple_tables == "host" and c.device != "cuda":
+        return (f"ple_tables 'host' maps host memory into a CUDA device's address space; the "
+                f"configuration's device is {c.device!r} (its tables are host memory already)")
+    return None
+
+
 def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
     rows = c.speculative.draft_length + 1 if c.speculative is not None else 1
     need = c.max_batch_size * rows
@@ -494,6 +509,8 @@ RULES: list[Rule] = [
     Rule("cuda_graphs_capture_decode_on_cuda",
          "CUDA graphs run on cuda, for decode steps without speculation, outside batch-invariant "
          "mode and torch_only.", _cuda_graphs),
+    Rule("ple_host_tables_on_cuda",
+         "Host-resident PLE tables (ple_tables 'host') are mapped into a cuda device.", _ple_tables),
     Rule("token_budget_holds_a_step",
          "max_num_tokens holds one generation step of max_batch_size requests (K + 1 rows each with "
          "speculation).", _token_budget),

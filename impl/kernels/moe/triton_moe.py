@@ -1,17 +1,17 @@
 """The MoE block on Hopper: routed NVFP4 experts as two grouped GEMMs that dequantize in the kernel.
 
-Hopper has no FP4 tensor cores, so the GEMMs run on bf16 operands (docs/spec.md, "MoE"). An NVFP4 value is
-``code * sf * gs``; ``code * sf`` (an e2m1 value times an e4m3 block scale) has at most 6 significant bits
-and lies in [2^-10, 2688], so it is exact in bf16. Both operands of a routed GEMM are fed to the tensor
-cores as exact ``code * sf`` bf16 values, the products are exact in fp32 and accumulate in fp32, and the
-two global scales multiply the sum once (``x_gs * w_gs``): the spec's arithmetic (dequantize each
+Hopper has no FP4 tensor cores, so the GEMMs run on 16-bit operands (docs/spec.md, "MoE"). An NVFP4 value
+is ``code * sf * gs``; ``code * sf`` (an e2m1 value times an e4m3 block scale) has at most 6 significant
+bits and lies in [2^-10, 2688], so it is exact in bf16 and in fp16. Both operands of a routed GEMM are
+fed to the tensor cores as exact ``code * sf`` values, the products are exact in fp32 and accumulate
+in fp32, and the two global scales multiply the sum once (``x_gs * w_gs``): the spec's arithmetic (dequantize each
 operand in fp32, fp32 GEMM) in another rounding order, certified to tolerance.
 
 One block's steps:
 1. routing: fp32 logits ``x @ W_r^T`` from the exact widening of x and W_r and torch's softmax, then
    ``_topk_kernel``: the top-k by (-p, expert index), the weights renormalised (spec.ops.moe.moe_route's
    rule; the renormalising sum taken best first);
-2. ``_quantize_kernel``: x quantized to nvfp4 with the layer's input scale, kept as the bf16 values
+2. ``_quantize_kernel``: x quantized to nvfp4 with the layer's input scale, kept as the fp16 values
    ``code * sf`` (``nvfp4_values``: the spec's quantizer, spec.ops.kv_storage.nvfp4_quantize, bit for
    bit, in one launch);
 3. ``expert_blocks``: the (token, slot) pairs grouped by expert into blocks of BM rows (``regime``),
@@ -31,10 +31,16 @@ One block's steps:
 The global scales are not checked per call (the spec's quantizer reads them on the host to check
 them; the weights' loader owns that check): a step launches without a host synchronisation.
 
-Packed bytes hold element 2i in the low nibble and 2i+1 in the high one. The kernels split each K tile
-into its even and odd elements (A's columns 2i and 2i+1 against the low and high nibbles), so a byte is
-decoded where it is loaded. e2m1 and e4m3 are decoded with integer arithmetic on the codes (no table,
-no fp8 type), the same on the GPU and in Triton's interpreter.
+Operands. ``code * sf`` is also exact in fp16 (at most 6 significant bits, between 2^-10 and 2688), so
+on the GPU both operands are fp16: the activations' quantized values are stored as fp16, and a weight
+tile is decoded by the byte-permutation decoder of impl/kernels/qsa/kv_tiles.py (``E2M1_TIMES_SF_ASM``:
+table lookups, a sign merge and one packed fp16 multiply by the block scale, which the hardware
+converts from e4m3), with no conversion instruction per element; conversions are the slow instructions
+on sm_90, and a decode through fp32 (two of them an element) bounds the GEMMs. Packed bytes hold
+element 2i in the low nibble and 2i+1 in the high one; the decoded halves are interleaved back into K
+order, so A is read as stored. Triton's interpreter, which has neither the table lookup nor fp8
+types, decodes with integer arithmetic on the codes into exact fp32 values (``_e2m1_2m14``,
+``_e4m3``): the same values, and the same on every CPU.
 
 Not batch-invariant: the GEMM tiling groups rows by expert, and the routing and shared-expert GEMMs are
 BLAS calls whose blocking follows the row count.
@@ -44,11 +50,12 @@ from __future__ import annotations
 
 from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, before triton)
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from impl.kernels.gemm import bf16_matmul, widened_matmul
+from impl.kernels.gemm import widened_matmul
+from impl.kernels.moe.torch_moe import shared_expert
+from impl.kernels.qsa.kv_tiles import E2M1_TIMES_SF_ASM
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
 from spec.ops.kv_storage import FP8_DTYPE
 
@@ -80,8 +87,9 @@ FEW_PAIRS = 64   # at most this many (token, slot) pairs: the "few" config
 
 
 def k_parts(K: int, BK: int, want: int) -> int:
-    """The most K parts, at most ``want``, that split K into whole BK steps."""
-    return max(s for s in range(1, max(1, want) + 1) if K % (s * BK) == 0)
+    """The most K parts, at most ``want``, that split K into whole BK steps (1 where none does:
+    a K of less than one step runs as one masked step)."""
+    return max((s for s in range(1, max(1, want) + 1) if K % (s * BK) == 0), default=1)
 
 
 def regime(pairs: int, num_experts: int) -> tuple[str, int]:
@@ -91,9 +99,12 @@ def regime(pairs: int, num_experts: int) -> tuple[str, int]:
     return ("few" if pairs <= FEW_PAIRS else "many"), 16
 
 
-# The tensor-core operand dtype: bf16 on the GPU; fp32 in Triton's interpreter, whose dot reads bf16
-# operands as their raw bits. code * sf is exact in both, so the products are the same.
-OPERAND = tl.float32 if INTERPRETING else tl.bfloat16
+# The tensor-core operand dtype: fp16 on the GPU; fp32 in Triton's interpreter (numpy's fp16 matmul
+# would round its sums to fp16). code * sf is exact in both, so the products are the same. The
+# quantized activations are stored as fp16 values (exact), read as the operand dtype.
+OPERAND = tl.float32 if INTERPRETING else tl.float16
+VALUES = torch.float16
+HW = tl.constexpr(not INTERPRETING)   # the byte-permutation decoder and the hardware e4m3 conversion
 QUANT_ROWS = 16 if INTERPRETING else 4   # rows of one quantizer program
 
 
@@ -166,28 +177,37 @@ def _quantize_kernel(x, gs_ptr, out, rows, D: tl.constexpr, BR: tl.constexpr, BD
     offs = r.to(tl.int64)[:, None] * D + c[None, :]
     xv = tl.load(x + offs, mask=mask, other=0.0).to(tl.float32)
     val = nvfp4_values(xv, tl.load(gs_ptr), BR, BD // 16)
-    tl.store(out + offs, val.to(tl.bfloat16), mask=mask)
+    tl.store(out + offs, val.to(tl.float16), mask=mask)
 
 
 @triton.jit
 def _weight_tile(packed_ptr, sf_ptr, rows, row_mask, k0, K: tl.constexpr, BN: tl.constexpr,
-                 HALF: tl.constexpr):
-    """The low- and high-nibble halves [BN, HALF] of the weight tile at input column k0 as exact
-    bf16 code * sf (columns at or past K read as 0). Each block scale is decoded once and broadcast
-    over its 8 bytes."""
+                 BK: tl.constexpr):
+    """The weight tile [BN, BK] at input column k0 as the exact values code * sf in the operand
+    dtype, in K order (columns at or past K read as 0). The bytes are loaded as a 2-D [BN, BK / 2]
+    tile and viewed [BN, BK / 16, 8], one 16-element scale block on the last axis, so that a block's
+    scale broadcasts along it; each scale is converted once."""
+    HALF: tl.constexpr = BK // 2
+    G: tl.constexpr = BK // 16
     kb = k0 // 2 + tl.arange(0, HALF)
     mask = row_mask[:, None] & (kb[None, :] < K // 2)
-    bytes_ = tl.load(packed_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=mask,
-                     other=0).to(tl.int32)
-    G: tl.constexpr = HALF // 8
+    bytes_ = tl.load(packed_ptr + rows[:, None] * (K // 2) + kb[None, :], mask=mask, other=0)
+    bytes_ = tl.reshape(bytes_, (BN, G, 8))
     kg = k0 // 16 + tl.arange(0, G)
     gmask = row_mask[:, None] & (kg[None, :] < K // 16)
-    sfg = _e4m3(tl.load(sf_ptr + rows[:, None] * (K // 16) + kg[None, :], mask=gmask,
-                        other=0).to(tl.int32))
-    sf = tl.reshape(tl.broadcast_to((sfg * 16384.0)[:, :, None], (BN, G, 8)), (BN, HALF))
-    lo = (_e2m1_2m14(bytes_) * sf).to(OPERAND)
-    hi = (_e2m1_2m14(bytes_ >> 4) * sf).to(OPERAND)
-    return lo, hi
+    sf = tl.load(sf_ptr + rows[:, None] * (K // 16) + kg[None, :], mask=gmask, other=0)
+    if HW:
+        sf16 = tl.broadcast_to(sf.to(tl.float8e4nv, bitcast=True).to(tl.float16)[:, :, None],
+                               (BN, G, 8))
+        lo, hi = tl.inline_asm_elementwise(E2M1_TIMES_SF_ASM, "=r,=r,=r,=r,r,r,r", [bytes_, sf16],
+                                           dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        codes = bytes_.to(tl.int32)
+        sfx = (_e4m3(sf.to(tl.int32)) * 16384.0)[:, :, None]
+        lo = _e2m1_2m14(codes) * sfx
+        hi = _e2m1_2m14(codes >> 4) * sfx
+    # element 2j is the low nibble, 2j + 1 the high one: join on a last axis of 2, flatten
+    return tl.reshape(tl.join(lo, hi), (BN, BK)).to(OPERAND)
 
 
 @triton.jit
@@ -200,7 +220,7 @@ def _h_epilogue(acc_g, acc_u, live, n_mask, e, slots, n, x_gs, gate_gs, up_gs, h
     hv = g / (1.0 + tl.exp(-g)) * u
     hv = tl.where(live[:, None] & n_mask[None, :], hv, 0.0)
     hv = nvfp4_values(hv, tl.load(h_gs), BM, BN // 16)
-    tl.store(hq + slots.to(tl.int64)[:, None] * I + n[None, :], hv.to(tl.bfloat16),
+    tl.store(hq + slots.to(tl.int64)[:, None] * I + n[None, :], hv.to(tl.float16),
              mask=n_mask[None, :])
 
 
@@ -225,22 +245,15 @@ def _gate_up_kernel(xq, rows_of, block_expert, gate_packed, gate_sf, gate_gs, up
     w_rows = e * I + n
     acc_g = tl.zeros([BM, BN], dtype=tl.float32)
     acc_u = tl.zeros([BM, BN], dtype=tl.float32)
-    HALF: tl.constexpr = BK // 2
     KS: tl.constexpr = K // SPLIT
     k_first = tl.program_id(2) * KS
     for k0 in range(k_first, k_first + KS, BK):
-        kb = k0 // 2 + tl.arange(0, HALF)
-        a_mask = live[:, None] & (kb[None, :] < K // 2)
-        a_even = tl.load(xq + token[:, None] * K + 2 * kb[None, :], mask=a_mask,
-                         other=0.0).to(OPERAND)
-        a_odd = tl.load(xq + token[:, None] * K + 2 * kb[None, :] + 1, mask=a_mask,
-                        other=0.0).to(OPERAND)
-        g_lo, g_hi = _weight_tile(gate_packed, gate_sf, w_rows, n_mask, k0, K, BN, HALF)
-        acc_g += tl.dot(a_even, tl.trans(g_lo))
-        acc_g += tl.dot(a_odd, tl.trans(g_hi))
-        u_lo, u_hi = _weight_tile(up_packed, up_sf, w_rows, n_mask, k0, K, BN, HALF)
-        acc_u += tl.dot(a_even, tl.trans(u_lo))
-        acc_u += tl.dot(a_odd, tl.trans(u_hi))
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(xq + token[:, None] * K + k[None, :], mask=live[:, None] & (k[None, :] < K),
+                    other=0.0).to(OPERAND)
+        acc_g += tl.dot(a, tl.trans(_weight_tile(gate_packed, gate_sf, w_rows, n_mask, k0, K, BN,
+                                                 BK)))
+        acc_u += tl.dot(a, tl.trans(_weight_tile(up_packed, up_sf, w_rows, n_mask, k0, K, BN, BK)))
     if SPLIT == 1:
         _h_epilogue(acc_g, acc_u, live, n_mask, e, slots, n, x_gs, gate_gs, up_gs, h_gs, hq,
                     I, BM, BN)
@@ -292,17 +305,12 @@ def _down_kernel(hq, rows_of, block_expert, down_packed, down_sf, down_gs, h_gs,
     n_mask = n < C
     w_rows = e * C + n
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    HALF: tl.constexpr = BK // 2
     for k0 in range(0, K, BK):
-        kb = k0 // 2 + tl.arange(0, HALF)
-        a_mask = kb[None, :] < K // 2
-        a_even = tl.load(hq + slots[:, None] * K + 2 * kb[None, :], mask=a_mask,
-                         other=0.0).to(OPERAND)
-        a_odd = tl.load(hq + slots[:, None] * K + 2 * kb[None, :] + 1, mask=a_mask,
-                        other=0.0).to(OPERAND)
-        w_lo, w_hi = _weight_tile(down_packed, down_sf, w_rows, n_mask, k0, K, BN, HALF)
-        acc += tl.dot(a_even, tl.trans(w_lo))
-        acc += tl.dot(a_odd, tl.trans(w_hi))
+        k = k0 + tl.arange(0, BK)
+        a = tl.load(hq + slots[:, None] * K + k[None, :], mask=k[None, :] < K,
+                    other=0.0).to(OPERAND)
+        acc += tl.dot(a, tl.trans(_weight_tile(down_packed, down_sf, w_rows, n_mask, k0, K, BN,
+                                               BK)))
     y = round_to_bf16(acc * (tl.load(h_gs) * tl.load(down_gs + e)))
     dst = tl.where(live, pair, 0).to(tl.int64)
     tl.store(slot_out + dst[:, None] * C + n[None, :], y, mask=live[:, None] & n_mask[None, :])
@@ -329,11 +337,11 @@ def _combine_kernel(slot_out, weights, shared, out, C: tl.constexpr, TOP_K: tl.c
 
 def quantized_values(x: torch.Tensor, gs: torch.Tensor) -> torch.Tensor:
     """x [T, D] quantized to nvfp4 with the global scale gs (the spec's quantizer, ``nvfp4_values``),
-    as the exact bf16 values ``code * sf`` (the global scale left out). One launch."""
+    as the exact fp16 values ``code * sf`` (the global scale left out). One launch."""
     T, D = x.shape
     if D % 16:
         raise ValueError(f"nvfp4 needs the last dim to be a multiple of 16, got {D}")
-    out = torch.empty(T, D, dtype=torch.bfloat16, device=x.device)
+    out = torch.empty(T, D, dtype=VALUES, device=x.device)
     bd = min(256, triton.next_power_of_2(D))
     _quantize_kernel[(triton.cdiv(T, QUANT_ROWS), triton.cdiv(D, bd))](
         x.contiguous(), gs, out, T, D=D, BR=QUANT_ROWS, BD=bd)
@@ -480,7 +488,7 @@ def routed_experts(x, expert_ids, weights, gate_packed, gate_sf, gate_gs, up_pac
     rows_of, block_expert = expert_blocks(expert_ids, E, bm)
     n_blocks = block_expert.shape[0]
     xq = quantized_values(x, x_gs)
-    hq = torch.empty(n_blocks * bm, I, dtype=torch.bfloat16, device=dev)
+    hq = torch.empty(n_blocks * bm, I, dtype=VALUES, device=dev)
     gu = dict(gu)
     split = k_parts(C, gu["BK"], gu.pop("SPLIT", 1))
     part = torch.empty(split * 2 * n_blocks * bm, I, dtype=torch.float32, device=dev) \
@@ -502,17 +510,6 @@ def routed_experts(x, expert_ids, weights, gate_packed, gate_sf, gate_gs, up_pac
         slot_out, weights.float().contiguous(), shared if shared is not None else out, out, C=C,
         TOP_K=k, HAS_SHARED=shared is not None, BC=bc, enable_fp_fusion=False)
     return out
-
-
-def shared_expert(x, w_gate, w_up, w_down, w_sg) -> torch.Tensor:
-    """spec.ops.moe.moe_shared_expert with bf16 GEMMs (fp32 accumulation, bf16 outputs: the spec's
-    rounding points) and the fp32 gate logit."""
-    g = bf16_matmul(x, w_gate.T)
-    u = bf16_matmul(x, w_up.T)
-    hs = (F.silu(g.float()) * u.float()).to(x.dtype)
-    y = bf16_matmul(hs, w_down.T)
-    gate = torch.sigmoid(widened_matmul(x, w_sg.reshape(-1, 1))[:, 0])
-    return (gate[:, None] * y.float()).to(x.dtype)
 
 
 # ---------------------------------------------------------------- variants (calling convention)
