@@ -105,6 +105,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     choice("--kv-dtype", ec.KvCacheDtype, "bf16", "paged K/V storage")
     choice("--state-dtype", ec.StateDtype, "fp32", "GDN recurrent-state pool")
     choice("--moe-backend", ec.MoeBackend, "torch", "routed-expert kernels")
+    choice("--ple-tables", ec.PleTables, "device",
+           "where the PLE tables E and G live: device memory, or host memory mapped into the "
+           "device (cuda only)")
     e.add_argument("--max-batch-size", type=int, default=8, help="request slots")
     e.add_argument("--max-num-tokens", type=int, default=8192,
                    help="rows a step may run, prompt chunks included")
@@ -212,7 +215,7 @@ def _config(args) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
-        torch_only=args.torch_only, numerics=_numerics(args.numerics))
+        torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables)
 
 
 def _numerics(items: list[str]) -> dict[str, str]:

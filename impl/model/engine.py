@@ -42,6 +42,7 @@ from impl.model.engine_config import EngineConfig, RoutePlan, default_context, r
 from impl.model.graphs import DecodeGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import DTYPE_NAME, Ops
+from impl.model.placement import HostMapped, with_host_ple_tables
 from spec.config import ModelConfig
 from spec.model import Weights
 from spec.ops.mtp import acceptance_length, greedy_argmax
@@ -148,6 +149,10 @@ class Engine:
         if weights.dtype != want:
             raise ValueError(f"weights are {weights.dtype}; the configuration's model_dtype is "
                              f"{config.model_dtype}")
+        self.host_mapped = None
+        if config.ple_tables == "host":    # rule ple_host_tables_on_cuda: a cuda device
+            self.host_mapped = HostMapped()
+            weights = with_host_ple_tables(weights, weights.device, self.host_mapped)
         self.weights = weights
         self.k = config.speculative.draft_length if config.speculative else 0
         self.index_share = bool(config.speculative and config.speculative.index_share)

@@ -183,7 +183,7 @@ class Ops:
                                       pw.norm_w, pw.hash_cfg, act)
         P = pw.norm_w.shape[0]
         e = torch.empty(ids.shape[0], pw.table.shape[1] // P, P, dtype=act, device=x_emb.device)
-        mult2, mult3, primes = _hash_constants(pw.hash_cfg)
+        mult2, mult3, primes = _hash_constants(pw.hash_cfg, x_emb.device)
         self._kernel_outputs(impl, {"ids": ids, "history": history, "x_emb": x_emb,
                                     "table": pw.table, "ngram_table": pw.ngram_table,
                                     "w_ple": pw.w_ple, "norm_w": pw.norm_w, "mult2": mult2,
@@ -507,13 +507,22 @@ def _select_shape_only(positions: torch.Tensor, k: int, sink: int, local: int) -
     return torch.where(col < n_low, low, torch.where(col < n_low + n_local, high, -1))
 
 
-def _hash_constants(cfg: spec_ple.NgramHashConfig) -> tuple[torch.Tensor, ...]:
-    """The n-gram hash constants in the kernels' form: multipliers as int64 bits [heads, order] for
-    orders 2 and 3, primes int64 [orders, heads]."""
-    signed = lambda u: u - (1 << 64) if u >= 1 << 63 else u  # noqa: E731
-    mults = [torch.tensor([[signed(m) for m in head] for head in order], dtype=torch.int64)
-             for order in cfg.multipliers]
-    return mults[0], mults[1], torch.tensor(cfg.primes, dtype=torch.int64)
+_HASH_CONSTANTS: dict[tuple[spec_ple.NgramHashConfig, str], tuple[torch.Tensor, ...]] = {}
+
+
+def _hash_constants(cfg: spec_ple.NgramHashConfig, device: torch.device
+                    ) -> tuple[torch.Tensor, ...]:
+    """The n-gram hash constants in the kernels' form, on ``device`` (made once, so a step copies
+    nothing from the host): multipliers as int64 bits [heads, order] for orders 2 and 3, primes
+    int64 [orders, heads]."""
+    key = (cfg, str(device))
+    if key not in _HASH_CONSTANTS:
+        signed = lambda u: u - (1 << 64) if u >= 1 << 63 else u  # noqa: E731
+        mults = [torch.tensor([[signed(m) for m in head] for head in order], dtype=torch.int64)
+                 for order in cfg.multipliers]
+        _HASH_CONSTANTS[key] = tuple(t.to(device) for t in (
+            mults[0], mults[1], torch.tensor(cfg.primes, dtype=torch.int64)))
+    return _HASH_CONSTANTS[key]
 
 
 def _moe_shape_only(u: torch.Tensor, w, top_k: int) -> torch.Tensor:

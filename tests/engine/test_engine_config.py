@@ -63,6 +63,14 @@ def test_moe_backend_supported():
     assert r.reason == "moe_backend 'trtllm' has no kernels in this project; supported: ['torch']"
 
 
+def test_host_ple_tables_need_cuda():
+    r = only(EngineConfig(ple_tables="host"))
+    assert r.rule == "ple_host_tables_on_cuda"
+    assert "device is 'cpu'" in r.reason
+    with pytest.raises(ValidationError):
+        EngineConfig(ple_tables="disk")
+
+
 def test_state_dtype_fp16_refused():
     r = only(EngineConfig(state_dtype="fp16"))
     assert r.rule == "state_dtype_supported"

@@ -133,3 +133,26 @@ def test_the_target_runs_gdn_prefill_at_its_bf16_operands_tier_on_the_gpu(target
     want = "flashinfer_chunked" if installed("flashinfer") else "spec_bf16_operands"
     assert rep.variants["gdn_prefill"] == [want]
     assert [len(r.tokens) for r in rep.results.values()] == [4, 4]
+
+
+def test_host_resident_ple_tables_give_the_device_tables_logits(target4):
+    """ple_tables 'host': E and G in registered host memory mapped into the device; the PLE kernel
+    reads the same values there, so every pass's logits equal the device tables' bit for bit."""
+    cfg, weights = target4
+    runs = []
+    for tables in ("device", "host"):
+        config = EngineConfig(model="target", device="cuda", max_batch_size=2, max_num_tokens=64,
+                              max_seq_len=96, ple_tables=tables)
+        e = Engine(config, weights, cfg=cfg, log_calls=True)
+        gen = torch.Generator().manual_seed(7)
+        e.generate([Request(request_id=f"r{i}", max_new_tokens=4, prompt=tuple(
+            torch.randint(0, cfg.vocab_size, (21 + i,), generator=gen).tolist())) for i in range(2)])
+        runs.append(e)
+    device, host = runs
+    assert host.weights.ple.table.device.type == "cuda"
+    assert host.host_mapped is not None and len(host.host_mapped._host) == 2
+    assert host.dispatcher.variants_ran()["ple_embed"] == ["triton"]
+    trunk = [[c for c in e.calls if c.kind == "trunk"] for e in runs]
+    assert len(trunk[0]) == len(trunk[1]) > 0
+    for i, (a, b) in enumerate(zip(*trunk)):
+        assert torch.equal(a.logits, b.logits), f"pass {i}: host tables change the logits"
