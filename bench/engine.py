@@ -32,7 +32,7 @@ import datetime as dt
 import statistics
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -96,10 +96,15 @@ def _requests(cfg: ModelConfig, rows: int, prompt_len: int, new: int, seed: int)
 MODES = {"eager": {}, "graphs": {"cuda_graphs": True}, "torch": {"torch_only": True}}
 
 
+def step_tokens(rows: int, prompt_len: int) -> int:
+    """The engine's ``max_num_tokens``: a step reads at most 8192 prompt tokens (chunked prefill)."""
+    return max(rows, min(8192, rows * prompt_len))
+
+
 def _engine(cfg, weights, args, rows: int, mode: str, prompt_len: int, new: int) -> Engine:
     config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv,
                           state_dtype=args.state, max_batch_size=rows,
-                          max_num_tokens=max(rows, min(8192, rows * prompt_len)),
+                          max_num_tokens=step_tokens(rows, prompt_len),
                           max_seq_len=prompt_len + new + 8, **MODES[mode])
     return Engine(config, weights, cfg=cfg)
 
@@ -107,7 +112,9 @@ def _engine(cfg, weights, args, rows: int, mode: str, prompt_len: int, new: int)
 @dataclass
 class StepTimes:
     prefill: float                 # seconds of the steps that read prompts (context / mixed)
-    decode: list[float]            # seconds of each decode step
+    decode: list[float]            # seconds of each full decode step: every request decoding
+    partial: int = 0               # decode steps with fewer rows (the others prefilling or done)
+    captures: list[float] = field(default_factory=list)   # decode steps that captured a graph
 
     def median_decode(self) -> float:
         return statistics.median(self.decode)
@@ -119,21 +126,30 @@ class StepTimes:
 
 def timed_run(engine: Engine, requests: list[Request]) -> StepTimes:
     """One run, each step timed on the host: a step ends by reading its tokens, which waits for
-    the device."""
+    the device. A decode step counts as full when every request of the run is running and none
+    is prefilling; a step that captured a CUDA graph (a new batch bucket or table width) is kept
+    apart, so the decode figure is the steady state's."""
     for r in requests:
         engine.submit(r)
-    prefill, decode = 0.0, []
+    times = StepTimes(0.0, [])
     while not engine.idle:
         kinds = dict(engine.step_kinds)
+        captured = len(engine.graphs.graphs) if engine.graphs is not None else 0
+        full = not engine.waiting and len(engine.running) == len(requests) and not any(
+            s.in_prompt for s in engine.running.values())
         t0 = time.perf_counter()
         engine.step()
         dt_step = time.perf_counter() - t0
         kind = next(k for k, n in engine.step_kinds.items() if n != kinds.get(k, 0))
-        if kind == "decode":
-            decode.append(dt_step)
+        if kind != "decode":
+            times.prefill += dt_step
+        elif engine.graphs is not None and len(engine.graphs.graphs) > captured:
+            times.captures.append(dt_step)
+        elif full:
+            times.decode.append(dt_step)
         else:
-            prefill += dt_step
-    return StepTimes(prefill, decode)
+            times.partial += 1
+    return times
 
 
 def kernel_profile(engine: Engine, requests: list[Request], steps: int = 3) -> list[str]:
@@ -188,11 +204,12 @@ def main() -> None:
     ap.add_argument("--kv", default="bf16", choices=("bf16", "fp8", "nvfp4"))
     ap.add_argument("--state", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--prompt-len", type=int, default=256)
-    ap.add_argument("--new-tokens", type=int, default=17)
+    ap.add_argument("--new-tokens", type=int, default=16,
+                    help="full decode steps wanted (each request also gets one token a prefill step)")
     ap.add_argument("--modes", default="eager,graphs,torch",
                     help="comma-separated: eager, graphs (cuda only), torch")
-    ap.add_argument("--peer-tokens", type=int, default=5,
-                    help="new tokens in the torch mode's runs (it is the slow one)")
+    ap.add_argument("--peer-tokens", type=int, default=4,
+                    help="full decode steps in the torch mode's runs (it is the slow one)")
     ap.add_argument("--peer-prompt-len", type=int, default=64,
                     help="prompt tokens in the torch mode's runs")
     ap.add_argument("--out", default="reports/bench")
@@ -230,24 +247,32 @@ def main() -> None:
     lines = [f"# Engine decode, {args.model} geometry with {cfg.num_layers} layers "
              f"({dt.date.today()})", "", where + ".", "",
              f"Random prompts, greedy, KV {args.kv}, state {args.state}. Per batch and mode one "
-             "run, each step timed: prefill s = the steps that read the prompts, step ms = the "
-             "median decode step (p10-p90 beside it), tokens/s = batch / median step. Modes: "
-             "eager (the fast variants, launched step by step), graphs (the same, decode steps "
-             "replayed from CUDA graphs), torch (only the variants written in torch, eager, "
-             f"{args.peer_prompt_len}-token prompts, {args.peer_tokens} new tokens). The floor "
-             "is the step's bytes (below) over the copy bandwidth.", "",
+             "run of B requests submitted together, each step timed on the host: prefill s = the "
+             "steps that read prompts (chunks of at most 8192 tokens; requests that finished their "
+             "prompt decode in them); step ms = the median full decode step (all B requests "
+             "decoding; p10-p90 beside it; steps that captured a CUDA graph are kept apart); "
+             "tokens/s = B / median step. Each request generates the full steps wanted plus one "
+             "token a prefill step, so that every request is still running when the last prompt "
+             "ends. Modes: eager (the fast variants, launched step by step), graphs (the same, "
+             "decode steps replayed from CUDA graphs), torch (only the variants written in torch, "
+             f"eager, {args.peer_prompt_len}-token prompts, {args.peer_tokens} full steps). The "
+             "floor is the step's bytes (below, at the step's mean context) over the copy "
+             "bandwidth.", "",
              "| batch | mode | prompt | prefill s | decode tokens/s | step ms | p10-p90 ms | "
-             "floor MB | floor ms | % of floor | largest floor part |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "full steps | floor MB | floor ms | % of floor | largest floor part |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     batches = [int(b) for b in args.batch.split(",")]
     profile_lines = [f"# Decode-step kernels, {args.model} geometry with {cfg.num_layers} layers "
                      f"({dt.date.today()})", "", where + ".", ""]
     modes = args.modes.split(",")
+    steps: dict[tuple[int, str], float] = {}
+    out_dir = Path(args.out)
     for rows in batches:
         for mode in modes:
             torch_mode = mode == "torch"
             plen = args.peer_prompt_len if torch_mode else args.prompt_len
-            new = args.peer_tokens if torch_mode else args.new_tokens
+            wanted = args.peer_tokens if torch_mode else args.new_tokens
+            new = wanted + -(-rows * plen // step_tokens(rows, plen))
             parts = decode_step_bytes(cfg, rows, plen + new // 2, args.kv, args.state)
             total = sum(parts.values())
             big = max(parts, key=parts.get)
@@ -257,20 +282,25 @@ def main() -> None:
             timed_run(engine, _requests(cfg, rows, 8, 3, seed=0))
             requests = _requests(cfg, rows, plen, new, seed=1)
             times = timed_run(engine, requests)
+            produced = finished_tokens(engine, requests)
+            ok = bool(times.decode) and produced == {r.request_id: new for r in requests}
             if args.smoke:
-                produced = finished_tokens(engine, requests)
-                ok = bool(times.decode) and produced == {r.request_id: new for r in requests}
-                print(f"smoke {mode} b{rows}: {len(times.decode)} decode steps, tokens a request "
-                      f"{sorted(produced.values())} of {new}: {'ok' if ok else 'FAILED'}", flush=True)
-                if not ok:
-                    raise SystemExit(1)
+                print(f"smoke {mode} b{rows}: {len(times.decode)} full decode steps, tokens a "
+                      f"request {sorted(produced.values())} of {new}: {'ok' if ok else 'FAILED'}",
+                      flush=True)
+            if not ok:
+                raise SystemExit(f"batch {rows} {mode}: {len(times.decode)} full decode steps, "
+                                 f"tokens a request {sorted(produced.values())} of {new}")
             step = times.median_decode()
+            steps[(rows, mode)] = step
             floor = f"{total / bw * 1e3:.2f}" if bw else "-"
             share = f"{100 * total / bw / step:.1f} %" if bw else "-"
             lines.append(f"| {rows} | {mode} | {plen} | {times.prefill:.2f} | {rows / step:.1f} | "
-                         f"{step * 1e3:.2f} | {times.spread()} | {total / 1e6:.0f} | {floor} | "
-                         f"{share} | {big} {100 * parts[big] / total:.0f} % |")
-            print(lines[-1], flush=True)
+                         f"{step * 1e3:.2f} | {times.spread()} | {len(times.decode)} | "
+                         f"{total / 1e6:.0f} | {floor} | {share} | "
+                         f"{big} {100 * parts[big] / total:.0f} % |")
+            print(lines[-1] + (f" ({len(times.captures)} capture steps, {times.partial} partial)"),
+                  flush=True)
             if args.profile and mode == "eager":
                 profile_lines += ["", f"## batch {rows}", ""] + kernel_profile(
                     engine, _requests(cfg, rows, plen, 8, seed=2))
@@ -278,6 +308,15 @@ def main() -> None:
             del engine
             if cuda:
                 torch.cuda.empty_cache()
+            if not args.smoke:   # a later batch that runs out of time keeps this one's rows
+                out_dir.mkdir(parents=True, exist_ok=True)
+                (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
+    ratios = [f"- batch {rows}: {mode} {steps[(rows, 'torch')] / steps[(rows, mode)]:.1f}x "
+              "faster than torch" for rows in batches for mode in ("eager", "graphs")
+              if (rows, mode) in steps and (rows, "torch") in steps]
+    if ratios:
+        lines += ["", "Decode step against the torch-only engine (its step over this one's):", ""]
+        lines += ratios
     context = args.prompt_len + args.new_tokens // 2
     lines += ["", "Bytes a decode step must move, by part (MB), at the largest batch:", ""]
     parts = decode_step_bytes(cfg, batches[-1], context, args.kv, args.state)
@@ -285,7 +324,6 @@ def main() -> None:
     if args.smoke:
         print("smoke passed; nothing written")
         return
-    out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
     if args.profile:
