@@ -85,18 +85,45 @@ CPU_DISPATCH_SETTINGS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_CBWR"
 
 def cpu_dispatch() -> dict[str, str]:
     """The CPU kernels this process dispatches to: torch's capability (``AVX512``, ``AVX2``,
-    ``DEFAULT``...), its intra-op thread count (a parallel reduction splits by threads), the settings
-    of ``CPU_DISPATCH_SETTINGS`` that are set, and numpy's BLAS (``numpy_blas``). Two runs whose
-    values agree here, with the same library versions, give the same bytes on the CPU."""
+    ``DEFAULT``...), its intra-op thread count (a parallel reduction splits by threads), the processor
+    (``cpu_model``), the settings of ``CPU_DISPATCH_SETTINGS`` that are set, and numpy's BLAS
+    (``numpy_blas``). Two runs whose values agree here, with the same library versions, give the
+    same bytes on the CPU."""
     import torch
 
     out = {"cpu_capability": str(torch.backends.cpu.get_cpu_capability()),
            "threads": str(torch.get_num_threads())}
+    model = cpu_model()
+    if model:
+        out["cpu_model"] = model
     out |= {k.lower(): os.environ[k] for k in CPU_DISPATCH_SETTINGS if os.environ.get(k)}
     blas = numpy_blas()
     if blas:
         out["numpy_blas"] = blas
     return out
+
+
+@functools.cache
+def cpu_model() -> str | None:
+    """The processor as its vendor, family and model numbers, e.g. ``AuthenticAMD 25/17``: MKL,
+    which torch's CPU GEMMs call, picks its kernels by vendor and microarchitecture, not only by
+    instruction set, so an Intel and an AMD CPU that both report ``AVX512`` sum a GEMM's products in
+    different orders (seen: 65 cpu receipts of an Intel AVX-512 machine gave other last bits on an
+    AMD EPYC with AVX-512, every status and band unchanged). Linux's /proc/cpuinfo; None elsewhere."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            for line in f:
+                if not line.strip():
+                    break                      # the first processor is enough
+                name, _, value = line.partition(":")
+                fields[name.strip()] = value.strip()
+    except OSError:
+        return None
+    vendor = fields.get("vendor_id")
+    if not vendor:
+        return None
+    return f"{vendor} {fields.get('cpu family', '?')}/{fields.get('model', '?')}"
 
 
 @functools.cache

@@ -45,7 +45,7 @@ SKIPPED = "skipped"
 
 # Recorded keys that do not decide the bytes of a result.
 _NOT_DECIDING = ("python",)
-_CPU_DISPATCH_KEYS = ("cpu_capability", "threads", "numpy_blas",
+_CPU_DISPATCH_KEYS = ("cpu_capability", "threads", "cpu_model", "numpy_blas",
                       *(k.lower() for k in CPU_DISPATCH_SETTINGS))
 
 

@@ -73,6 +73,27 @@ def test_another_cpu_dispatch_rechecks_status_and_band_only(target, receipt):
     assert v.verdict == CONFIRMED_BAND and "NOT_THIS_ONE" in v.detail, v
 
 
+def test_another_processor_rechecks_status_and_band_only(target, receipt):
+    """Receipts name the processor (vendor, family, model): MKL picks its GEMM kernels by it, so a
+    receipt of another processor with the same instruction set is checked for status and band, and
+    one without the key (recorded before it existed) likewise."""
+    from certify.receipts.store import cpu_model
+
+    here = library_versions()
+    if cpu_model() is None:
+        pytest.skip("no /proc/cpuinfo: the processor is not recorded on this system")
+    assert here["cpu_model"] == cpu_model()
+    for other in ({**receipt.versions, "cpu_model": "GenuineIntel 6/143"},
+                  {k: v for k, v in receipt.versions.items() if k != "cpu_model"}):
+        if other.get("cpu_model") == here["cpu_model"]:
+            continue
+        assert "cpu_model" in not_comparable(other, here)
+        edited = receipt.model_copy(update={"versions": other,
+                                            "digests": {k: "0" * 32 for k in receipt.digests}})
+        v = verify_target(target, edited)
+        assert v.verdict == CONFIRMED_BAND and "cpu_model" in v.detail, v
+
+
 def test_the_budget_takes_the_cheapest_receipts(target, receipt, tmp_path: Path):
     cheap = receipt.model_copy(update={"seconds": 0.5})
     dear = receipt.model_copy(update={"cell": "elsewhere", "seconds": 50.0})
