@@ -169,7 +169,8 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
         md.append("")
     if op.numerics:
         md += numerics_markdown(op, rows)
-    md += ["## Status", "", "Each entry: the status and, for a fresh receipt, the output nearest its band "
+    md += ["## Status", "",
+           "Each entry: the status and, for a fresh receipt, the output nearest its band "
            "(measured/band ulp; named where the cell bands several). Every output, measured against "
            "its band in ulp and in relative RMS: \"What stays certified\" and \"What is not "
            "certified\" below.", "", tabulate(

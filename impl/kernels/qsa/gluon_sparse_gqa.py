@@ -4,9 +4,9 @@ Same contract, split-K scheme, combine kernel and numerics as ``triton_sparse_gq
 what changes is where a dequantised element goes. In the Triton kernel every K and V element, once
 decoded to fp16 in registers, is written to shared memory and read back by ldmatrix in the tensor-core
 operand layout: that round trip keeps the L1 / shared-memory pipe busy and the kernel latency-bound
-(its profile and its time against bf16 pages: reports/bench/gpu-notes.md, "Sparse GQA decode"). Here the packed bytes
-are loaded in a layout chosen so that the decoder's output registers already are the mma.sync operand
-fragments, and no decoded element touches shared memory:
+(its profile and its time against bf16 pages: reports/bench/gpu-notes.md, "Sparse GQA decode").
+Here the packed bytes are loaded in a layout chosen so that the decoder's output registers already
+are the mma.sync operand fragments, and no decoded element touches shared memory:
 
 - A thread of the mma.sync m16n8k16 B fragment holds pairs of elements adjacent along k, and 32-bit
   registers of those pairs. The QK dot sums over d, so d can be visited in any order as long as q is
