@@ -22,8 +22,8 @@ from certify.reach.claims import Finding, catalog_findings, reach_findings
 from certify.receipts.store import UP_TO_DATE, evidence_problems
 from certify.report.reach_sections import (cost_markdown, gaps_markdown, op_reach_markdown,
                                            terminal_gaps)
-from certify.report.rows import (ARCH_ORDER, EXACT_METRIC, MEASURED, STATUSES, Row, _archs, _measured,
-                                 _oracle_text, counts, op_summary)
+from certify.report.rows import (ARCH_ORDER, EXACT_METRIC, MEASURED, STATUSES, Row, _archs,
+                                 _oracle_text, counts, measured_per_output, op_summary)
 from certify.catalog.schema import EXACT, OpFile
 
 
@@ -86,7 +86,9 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
           "one so declared: remove the declaration), stale (the code changed since the receipt), "
           "invalid (a receipt that is no evidence of what it says: its arch, versions, seed, digests "
           "or metrics contradict it; the reason is under Needs attention), not run (no receipt, or one "
-          "whose key appears twice in its file), - (the variant does not run on that arch).", ""]
+          "whose key appears twice in its file), - (the variant does not run on that arch). Beside a "
+          "fresh receipt's status, the output nearest its band as measured/band ulp (named where the "
+          "cell bands several); each op's note gives every output, in ulp and relative RMS.", ""]
     md += ["## Totals", "", *_summary_lines(rows, archs, "github"), ""]
     md += gaps_markdown(catalog, reach, rows, findings)
     attention = [r for r in rows if any(s not in UP_TO_DATE for s in r.status.values())]
@@ -167,7 +169,11 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
         md.append("")
     if op.numerics:
         md += numerics_markdown(op, rows)
-    md += ["## Status", "", tabulate(
+    md += ["## Status", "",
+           "Each entry: the status and, for a fresh receipt, the output nearest its band "
+           "(measured/band ulp; named where the cell bands several). Every output, measured against "
+           "its band in ulp and in relative RMS: \"What stays certified\" and \"What is not "
+           "certified\" below.", "", tabulate(
         [[r.variant, r.cell, *[_status_cell(r, a) for a in archs]] for r in rows],
         headers=["variant", "cell", *archs], tablefmt="github"), ""]
     md += _guards_markdown(op, guards)
@@ -184,7 +190,7 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
                 f"{k[len(EXACT_METRIC):]} {v:.3g}" for k, v in sorted(exact.items())) + ")"
                 if exact else "")
             md.append(f"- `{r.variant}` at `{r.cell}` on {arch}: "
-                      f"{_measured(rc, op, r.cell) or 'passed'}{against} "
+                      f"{measured_per_output(rc, op, r.cell) or 'passed'}{against} "
                       f"(receipt {rc.date}, torch {rc.versions.get('torch', '?')}"
                       + (f", CPU dispatch {rc.versions['cpu_capability']}"
                          if not arch.startswith("sm_") and "cpu_capability" in rc.versions else "")
@@ -197,7 +203,8 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
     for r, arch, s in not_certified:
         declared = op.cell(r.cell).expected_failure(r.variant, arch)
         why = f" (declared: {declared.why})" if declared and s in MEASURED else ""
-        md.append(f"- `{r.variant}` at `{r.cell}` on {arch}: {s}{why}")
+        got = measured_per_output(r.receipts[arch], op, r.cell) if s in MEASURED else ""
+        md.append(f"- `{r.variant}` at `{r.cell}` on {arch}: {s}{f' ({got})' if got else ''}{why}")
     if not op.not_certified and not not_certified:
         md.append("- nothing listed")
     if op.note.strip():

@@ -39,21 +39,44 @@ def _archs(catalog: Catalog) -> list[str]:
     return [a for a in ARCH_ORDER if a in seen] + sorted(seen - set(ARCH_ORDER))
 
 
-def worst_banded(r: Receipt, op: OpFile, cell_id: str) -> tuple[str, float, float, int] | None:
-    """Of a tolerance cell's banded outputs that the receipt measured, the one nearest its band:
-    (name, measured ulp, band ulp, how many banded outputs were measured); None where none is."""
+def banded_outputs(r: Receipt, op: OpFile, cell_id: str) -> list[tuple[str, float, float,
+                                                                      float | None, float]]:
+    """A tolerance cell's banded outputs that the receipt measured, in the oracle's order: (name,
+    measured ulp, band ulp, measured relative RMS or None, band relative RMS), as the variant is
+    judged (its tier's bands for a tier variant); [] for a bitwise oracle."""
     known = {v.name: v for v in op.variants}
     cell = op.cell(cell_id)
     oracle = op.oracle_of(known[r.variant], cell) if r.variant in known else cell.oracle
     if oracle.kind == "bitwise":
-        return None
-    bands = {n: b.max_ulp for n, b in (oracle.outputs or {}).items() if b.max_ulp}
-    banded = {n: (r.metrics[f"{n}.ulp"], band) for n, band in bands.items()
-              if f"{n}.ulp" in r.metrics}
+        return []
+    return [(n, r.metrics[f"{n}.ulp"], b.max_ulp, r.metrics.get(f"{n}.rel_rms"), b.max_rel_rms)
+            for n, b in (oracle.outputs or {}).items() if b.max_ulp and f"{n}.ulp" in r.metrics]
+
+
+def worst_banded(r: Receipt, op: OpFile, cell_id: str) -> tuple[str, float, float, int] | None:
+    """Of a tolerance cell's banded outputs that the receipt measured, the one nearest its band:
+    (name, measured ulp, band ulp, how many banded outputs were measured); None where none is."""
+    banded = banded_outputs(r, op, cell_id)
     if not banded:
         return None
-    name, (v, band) = max(banded.items(), key=lambda kv: kv[1][0] / kv[1][1])
+    name, v, band, _, _ = max(banded, key=lambda o: o[1] / o[2])
     return name, v, band, len(banded)
+
+
+def measured_per_output(r: Receipt, op: OpFile, cell_id: str) -> str:
+    """The receipt's result for every output: measured / band in ulp and in relative RMS (eps) for
+    a tolerance cell, bitwise or how many elements differ for a bitwise one."""
+    banded = banded_outputs(r, op, cell_id)
+    if banded:
+        return "; ".join(f"{n} {v:.2f}/{band:g} ulp"
+                         + (f", rel RMS {rms:.2f}/{band_rms:g} eps" if rms is not None else "")
+                         for n, v, band, rms, band_rms in banded)
+    mism = {k[: -len(".mismatches")]: v for k, v in r.metrics.items() if k.endswith(".mismatches")
+            and not k.startswith(EXACT_METRIC)}
+    if mism:
+        return "; ".join(f"{n} {'bitwise' if v == 0 else f'{int(v)} differ'}"
+                         for n, v in mism.items())
+    return _measured(r, op, cell_id)
 
 
 EXACT_METRIC = "exact."  # a tier variant's error against the exact spec: recorded, never judged

@@ -1,6 +1,8 @@
 """Generated files are part of the product: each is checked against what its command would write."""
 
 import re
+import shlex
+import tomllib
 
 from certify.harness.archs import present_archs
 from certify.catalog.load import load_catalog
@@ -54,3 +56,40 @@ def test_ci_runs_exactly_the_readme_test_command():
     ci = (PATHS.root / ".ci" / "run").read_text()
     command = re.search(r"^python3 -m (pytest .*)$", ci, re.M).group(1)
     assert f"\n{command}\n" in readme, f"README must show the CI test command: {command}"
+
+
+def _pip_installs(text: str) -> list[list[str]]:
+    """Each ``pip install`` of a shell text as its arguments, quotes removed, ``-q`` left out: what it
+    installs and under which constraints, however it is spelled (``python3 -m pip`` or ``pip``)."""
+    out = []
+    for line in text.splitlines():
+        if line.lstrip().startswith("#") or "pip install" not in line:
+            continue
+        lexer = shlex.shlex(line, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        command: list[str] = []
+        for word in [*lexer, ";"]:
+            if word not in ("&&", ";", "||"):
+                command.append(word)
+                continue
+            at = next((i for i in range(len(command) - 1)
+                       if command[i:i + 2] == ["pip", "install"]), None)
+            if at is not None:
+                out.append([w for w in command[at + 2:] if w != "-q"])
+            command = []
+    return out
+
+
+def test_the_readme_installs_exactly_what_ci_installs():
+    """The README's install line is CI's: the same packages, extras and constraints, in order."""
+    readme = (PATHS.root / "README.md").read_text()
+    block = re.search(r"## Two commands\n.*?```bash\n(.*?)```", readme, re.S).group(1)
+    ci = _pip_installs((PATHS.root / ".ci" / "run").read_text())
+    assert len(ci) >= 2, ci
+    assert _pip_installs(block) == ci, (
+        f"README's install line installs {_pip_installs(block)}, CI's .ci/run {ci}: make them one")
+    extras = {e for args in ci for w in args for group in re.findall(r"\[(.*)\]", w)
+              for e in group.split(",")}
+    declared = tomllib.loads((PATHS.root / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    assert extras and extras <= set(declared), f"extras {extras} not all in pyproject: {declared}"

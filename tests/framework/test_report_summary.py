@@ -38,6 +38,43 @@ def test_a_certified_cell_shows_its_nearest_output_against_its_band():
     assert _measured(SimpleNamespace(metrics={"x.mismatches": 0.0})) == "bitwise"
 
 
+def test_the_op_note_shows_every_output_against_its_band():
+    """The matrix shows a cell's nearest output; the op note shows each, in ulp and relative RMS,
+    for every fresh receipt (certified or not), as measured against the band it is judged by."""
+    from certify.report import op_markdown, project_rows
+    from certify.report.rows import measured_per_output
+    paths = project_paths()
+    catalog = load_catalog(paths.cells)
+    op = catalog.ops["gdn_decode"]
+    cell = next(c for c in op.cells if c.oracle.kind != "bitwise" and len(c.oracle.outputs) > 1)
+    (a, ba), (b, bb) = list(cell.oracle.outputs.items())[:2]
+    r = SimpleNamespace(variant=op.variants[0].name, metrics={
+        f"{a}.ulp": 0.9 * ba.max_ulp, f"{a}.rel_rms": 0.5 * ba.max_rel_rms,
+        f"{b}.ulp": 0.1 * bb.max_ulp, f"{b}.rel_rms": 0.2 * bb.max_rel_rms})
+    assert measured_per_output(r, op, cell.id) == (
+        f"{a} {0.9 * ba.max_ulp:.2f}/{ba.max_ulp:g} ulp, rel RMS {0.5 * ba.max_rel_rms:.2f}/"
+        f"{ba.max_rel_rms:g} eps; {b} {0.1 * bb.max_ulp:.2f}/{bb.max_ulp:g} ulp, rel RMS "
+        f"{0.2 * bb.max_rel_rms:.2f}/{bb.max_rel_rms:g} eps")
+    bop, bcell = next((o, c) for o in catalog.ops.values() for c in o.cells
+                      if c.oracle.kind == "bitwise")
+    bitwise = SimpleNamespace(variant=bop.variants[0].name,
+                              metrics={"o.mismatches": 0.0, "s.mismatches": 3.0})
+    assert measured_per_output(bitwise, bop, bcell.id) == "o bitwise; s 3 differ"
+    rows = [row for row in project_rows(paths, catalog) if row.op == op.op]
+    note = op_markdown(op, rows)
+    shown = [row for row in rows for arch, s in row.status.items() if s == "certified"]
+    assert shown
+    for row in shown:
+        for arch, s in row.status.items():
+            if s == "certified":
+                rc = row.receipts[arch]
+                line = f"- `{row.variant}` at `{row.cell}` on {arch}: " \
+                       f"{measured_per_output(rc, op, row.cell)}"
+                assert line in note
+                for name in op.cell(row.cell).oracle.outputs:
+                    assert f"{name} {rc.metrics[f'{name}.ulp']:.2f}/" in line, (line, name)
+
+
 def test_the_list_column_names_the_list_that_runs_each_arch():
     from certify.report import list_tier_text
     assert list_tier_text("premerge", {"cpu": "premerge", "sm_90": "premerge"}) == "premerge"

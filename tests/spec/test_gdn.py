@@ -9,8 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from certify.catalog.load import load_catalog
+from certify.files.paths import project_paths
 from certify.harness.oracles import tolerance
-from impl.kernels.gdn import torch_ops, triton_recurrent
+from certify.harness.target import variant_callable
+from impl.kernels.gdn import torch_ops
 from spec.ops import gdn
 from spec.ops.norms import gated_rmsnorm
 
@@ -42,10 +45,11 @@ def _run_verify(fn, inp):
     return out, states
 
 
-VERIFY_VARIANTS = (torch_ops.gdn_verify, triton_recurrent.gdn_verify,
-                   triton_recurrent.gdn_verify_split)
-DECODE_VARIANTS = (torch_ops.gdn_decode, triton_recurrent.gdn_decode,
-                   triton_recurrent.gdn_decode_split)
+# The variants that run on the CPU, by their cell files' names and callables (one name each).
+_CATALOG = load_catalog(project_paths().cells)
+_NAMES = ("torch", "triton_fused", "triton_split")
+VERIFY_VARIANTS = {n: variant_callable(_CATALOG.ops["gdn_verify"], n) for n in _NAMES}
+DECODE_VARIANTS = {n: variant_callable(_CATALOG.ops["gdn_decode"], n) for n in _NAMES}
 
 shapes = st.tuples(st.integers(1, 3), st.integers(1, 5), st.sampled_from([1, 2]),
                    st.sampled_from([4, 16, 64]), st.sampled_from([torch.float32, torch.bfloat16]))
@@ -68,16 +72,16 @@ def test_verify_then_commit_equals_verify_of_the_accepted_rows(seed, shape, data
     head = {k: (v[:, : a + 1].contiguous() if k in "q k v a b z".split() else v)
             for k, v in inp.items()}
     ref = gdn.gdn_verify(**{k: (v.to(F64) if v.is_floating_point() else v) for k, v in inp.items()})
-    for fn in VERIFY_VARIANTS:
+    for name, fn in VERIFY_VARIANTS.items():
         out, states = _run_verify(fn, inp)
         _, states_head = _run_verify(fn, head)
-        assert torch.equal(states[:, a], states_head[:, a]), fn.__module__
+        assert torch.equal(states[:, a], states_head[:, a]), name
         assert tolerance("out", out, ref["out"], 16, 4).passed
         assert tolerance("states", states, ref["states"], 64, 8).passed
 
 
 @pytest.mark.certify_guard("gdn_verify")
-@pytest.mark.parametrize("fn", VERIFY_VARIANTS)
+@pytest.mark.parametrize("fn", list(VERIFY_VARIANTS.values()), ids=list(VERIFY_VARIANTS))
 def test_guard_two_token_state_by_hand(fn):
     """One value head, d = 2, beta = 1 (b large), decay 1 then 1/2, state starting at 0.
 
@@ -108,7 +112,7 @@ def test_decode_equals_a_one_row_verify_and_touches_only_its_slots(seed, shape):
     B, _, HK, D, sd = shape
     inp = _step_inputs(seed, B, 1, HK, D, sd)
     dec = {k: (v[:, 0].contiguous() if k in "q k v a b z".split() else v) for k, v in inp.items()}
-    for fn, verify in zip(DECODE_VARIANTS, VERIFY_VARIANTS):
+    for fn, verify in zip(DECODE_VARIANTS.values(), VERIFY_VARIANTS.values()):
         _, states = _run_verify(verify, inp)
         pool = inp["state_pool"].clone()
         out = torch.full(dec["z"].shape, float("nan"), dtype=torch.bfloat16)
@@ -121,7 +125,7 @@ def test_decode_equals_a_one_row_verify_and_touches_only_its_slots(seed, shape):
 
 
 @pytest.mark.certify_guard("gdn_decode")
-@pytest.mark.parametrize("fn", DECODE_VARIANTS)
+@pytest.mark.parametrize("fn", list(DECODE_VARIANTS.values()), ids=list(DECODE_VARIANTS))
 def test_guard_decode_writes_its_slot_by_hand(fn):
     """From S = [[1, 0], [0, 1]] in slot 1, decay 1/2, beta ~ 1, k = (1, 0), v = (3, 3):
     S -> [[.5, 0], [0, .5]]; u = v - S^T k = (2.5, 3); S -> [[3, 3], [0, .5]]. Slot 0 is untouched."""

@@ -3,7 +3,7 @@ prologue and gated norm: certified against ``spec.ops.gdn.gdn_prefill`` (certify
 
 Same chunked form and numerics as ``triton_chunked`` (its docstring has the algebra), and the same three
 kinds of launch: the Triton prologue per (chunk, key head), this sequential state pass per (value head,
-64 state columns), then the Triton gated RMSNorm. What changes:
+64 state columns), then the Triton gated RMSNorm. What differs:
 
 - The launches are pipelined over ranges of chunks (``default_schedule``: three of falling length for
   one sequence of 64 chunks or more, two equal ones for a batch with 64 chunks of work and 32 chunks
@@ -37,8 +37,8 @@ kinds of launch: the Triton prologue per (chunk, key head), this sequential stat
   in flight past them. The row factors and v are read while KS^T is in flight; qS^T is issued after
   U^T's products and finishes while the deltas and U^T are split; the next chunk's S^T pieces are
   split and stored while o's products finish. The results are bitwise those of waiting for KS^T and
-  qS^T, then for the update and o, together, and the state pass is faster for it (721.5 against
-  749.1 us at T = 8192 on the H200 for qS^T alone; reports/bench/kernel-notes.md, "GDN prefill").
+  qS^T, then for the update and o, together, and the state pass is faster for it (the same-run
+  timings: reports/bench/kernel-notes.md, "Order of the state pass's waits").
 - Rows past a sequence's end: k, q and v are read through [tokens, heads x 128] views, so a partial last
   chunk reads the next sequence's rows (zeros past the tensor). They are set to zero in shared memory
   before use, as triton_chunked's masked loads would read them (Aib's rows and columns past T are zeros
@@ -223,7 +223,7 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
         k_c = k_s.index(s)
         q_c = q_s.index(s)
         if c * 64 + 64 > T:
-            # a partial last chunk: its rows past T were read from the next sequence; zero them, so
+            # a partial last chunk: its rows past T hold the next sequence's; zero them, so
             # that no value of another sequence (not even an inf or a NaN) reaches this one's products
             _zero_rows_from(k_c, T - c * 64, LD_KQ)
             _zero_rows_from(q_c, T - c * 64, LD_KQ)
@@ -302,17 +302,16 @@ def _state_pass_wgmma(q_d, k_d, v_d, p_d, state, final_state, gbuf, rbuf, o_buf,
 # norm of range i follows on a third stream. The first range's prologue runs alone, and the next range's
 # prologue, on the SMs the state pass leaves, must end before that state pass does: so the ranges
 # shorten, each RATIO times the one before. Rule (``default_schedule``), the fastest of the schedules
-# timed on the H200 (reports/bench/gdn_prefill.md, section 00000, item 1; the figures:
-# reports/bench/kernel-notes.md, "GDN prefill"):
-# - one sequence of 64 chunks or more: three ranges, RATIO 0.6 (1114 us at T = 8192, against 1172 for
-#   two equal ranges and 1272 for one; other ratios and four ranges are slower);
+# timed on the H200 (the figures: reports/bench/kernel-notes.md, "Range schedule"):
+# - one sequence of 64 chunks or more: three ranges, RATIO 0.6 (faster than two equal ranges or one;
+#   other ratios and four ranges are slower);
 # - otherwise two equal ranges once there are 64 chunks of work (sequences x chunks) and each range
 #   keeps 16 chunks of every sequence, else one. A batch's state-pass programs fill the SMs (192 for
 #   two sequences): no prologue runs beside them, so nothing is gained by shortening; shorter work
 #   pays more for the extra launches than the overlap hides.
 RATIO = 0.6
 MIN_CHUNKS_A_RANGE = 16     # of every sequence, for the equal ranges
-PREP_WARPS = 4      # the prologue's warps (8 are slower: 462 against 312 us at T = 8192)
+PREP_WARPS = 4      # the prologue's warps (8 are slower: reports/bench/kernel-notes.md, "Prologue")
 _STREAMS: dict = {}
 
 

@@ -14,8 +14,7 @@ Three launches:
    their Neumann series, the blocks below them by block forward substitution, one sub-diagonal at a
    time; batched 16 x 16 tf32x3 dots throughout). With PIECES (gluon_chunked's launch) it also writes
    the bf16 pieces of Aib (three) and of the decayed q.k scores (two) for its state pass. One program
-   a value head, with its own k.k and q.k, is slower: 380 against 312 us at long_t8192 on the H200
-   with PIECES (reports/bench/kernel-notes.md, "GDN prefill").
+   a value head, with its own k.k and q.k, is slower (reports/bench/kernel-notes.md, "Prologue").
 2. ``_state_pass_kernel``, one program per (sequence, value head, tile of BV = 32 state columns),
    sequential over the chunks: ``U = Aib (V - e^G (K^ S))``, the output (with the decayed causal score
    matrix ``QKD[t, i] = e^{G_t - G_i} (q^_t . k^_i)``, i <= t, recomputed from q and k: one bf16 dot,
@@ -173,7 +172,7 @@ def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq,
     # A_b is strictly lower (A_b^16 = 0): (I + A_b)^{-1} = (I - A_b)(I + A_b^2)(I + A_b^4)(I + A_b^8),
     # six batched 16 x 16 tf32x3 dots for the four blocks at once (X[b] = D_b below). A row-by-row
     # forward substitution (15 dependent steps of cross-thread reductions and barriers) gives the same
-    # errors against float64 and is slower: 636 against 401 us for this kernel at long_t8192 (H200)
+    # errors against float64 and is slower (reports/bench/kernel-notes.md, "Prologue")
     L2 = tl.dot(Ad, Ad, input_precision="tf32x3")
     L4 = tl.dot(L2, L2, input_precision="tf32x3")
     L8 = tl.dot(L4, L4, input_precision="tf32x3")
@@ -186,8 +185,8 @@ def _prep_head(a, b, A_log, dt_bias, gbuf, rbuf, ai_buf, pc_buf, KK, QK, rk, rq,
     # each a batch of four 16 x 16 tf32x3 dots over the block rows i (rows i < i - j masked). Blocks
     # pass between steps through this program's part of ai_buf (A's sub-diagonal blocks are read
     # first, since X overwrites them). Dense 64 x 64 products of the nilpotent block form
-    # (I - N + N^2 - N^3) D give the same errors against float64 on every cell and cost more: 404 us
-    # (255 registers) against 249 us (154 registers) for this kernel at long_t8192 on the H200.
+    # (I - N + N^2 - N^3) D give the same errors against float64 on every cell and cost more time and
+    # registers (255 against 154; reports/bench/kernel-notes.md, "Prologue").
     base = (bh * NT + c).to(tl.int64) * 4096
     m1 = (i4 >= 1)[:, None, None]
     m2 = (i4 >= 2)[:, None, None]

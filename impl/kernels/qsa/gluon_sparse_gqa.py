@@ -3,10 +3,10 @@
 Same contract, split-K scheme, combine kernel and numerics as ``triton_sparse_gqa.triton_decode``;
 what changes is where a dequantised element goes. In the Triton kernel every K and V element, once
 decoded to fp16 in registers, is written to shared memory and read back by ldmatrix in the tensor-core
-operand layout: at 128 rows x 2048 keys that round trip kept the L1 / shared-memory pipe 69 % busy and
-the kernel latency-bound (161 us against 143 us for bf16 pages, reports/bench/gpu-notes.md). Here the packed bytes
-are loaded in a layout chosen so that the decoder's output registers already are the mma.sync operand
-fragments, and no decoded element touches shared memory:
+operand layout: that round trip keeps the L1 / shared-memory pipe busy and the kernel latency-bound
+(its profile and its time against bf16 pages: reports/bench/gpu-notes.md, "Sparse GQA decode").
+Here the packed bytes are loaded in a layout chosen so that the decoder's output registers already
+are the mma.sync operand fragments, and no decoded element touches shared memory:
 
 - A thread of the mma.sync m16n8k16 B fragment holds pairs of elements adjacent along k, and 32-bit
   registers of those pairs. The QK dot sums over d, so d can be visited in any order as long as q is
@@ -59,7 +59,7 @@ HEAD_DIM = 256
 TILE = 32               # tokens a tile
 GROUP_PAD = 16          # q heads of a group, padded: the dots' M
 WARPS = 2
-RING = 2                # cp.async ring depth (4 stages measured slower: 123 vs 118 us)
+RING = 2                # cp.async ring depth (4 stages are slower: reports/bench/gpu-notes.md)
 _PB_BITS = 7            # HEAD_DIM / 2 = 128 packed bytes a row
 # the same, as the kernels' compile-time constants
 D = gl.constexpr(HEAD_DIM)

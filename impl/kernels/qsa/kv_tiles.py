@@ -12,7 +12,8 @@ nvfp4's gs is left to the caller, which applies it to the logits and to the outp
 nvfp4 element enters the attention as the exact code * sf, without the spec's rounding of each
 element (code * sf) * gs to fp32 and bf16: the kernels are closer to the float64 reference than the
 spec's own low-precision path (the bands of certify/cells/qsa_sparse_gqa.yaml say what each path is
-certified to), and the decode step ran 1.6x (fp8) and 1.7x (nvfp4) faster on the H200 (reports/bench/gpu-notes.md).
+certified to), and the decode step is faster for it (reports/bench/gpu-notes.md, "Sparse GQA
+decode").
 fp16 rather than bf16 because each conversion instruction costs several bytes' worth of memory time
 on sm_90: e4m3 -> fp16 is one hardware conversion for two elements, while e4m3 ->
 bf16 needs three.
@@ -125,7 +126,7 @@ def load_kv_tile_f16(pool, pool_sf, slot, valid, FMT: tl.constexpr, D: tl.conste
         # block's scale broadcasts along it. Loaded as a 2-D [N, D/2] tile and reshaped: a 3-D load
         # puts the lanes along the tokens, and the decoded tile then reaches shared memory one fp16
         # at a time (token-major); the 2-D load's layout is d-major, stored in vectors and read back
-        # by ldmatrix (the H200 decode step: 195 -> 162 us, reports/bench/gpu-notes.md)
+        # by ldmatrix (the decode step's times: reports/bench/gpu-notes.md, "Sparse GQA decode")
         gi = tl.arange(0, D // 16)
         b = tl.arange(0, D // 2)
         packed = tl.load(pool + slot[:, None] * (D // 2) + b[None, :], mask=valid[:, None], other=0)

@@ -31,7 +31,7 @@ Launch shapes (``_DECODE_SHAPE``: tile, warps, pipeline stages, programs per SM)
 the 36-shape grid that ``bench/qsa_sparse_gqa.py --shapes`` timed on the H200
 (reports/bench/qsa_sparse_gqa_shapes.md): two warps a program throughout; bf16 pages in 32-token
 tiles through a 3-stage software pipeline (cp.async), fp8 in 64-token tiles through 2 stages, nvfp4
-in 32-token tiles through 2 stages (fastest once its bytes were loaded as a 2-D tile, kv_tiles.py).
+in 32-token tiles through 2 stages (its bytes loaded as a 2-D tile, kv_tiles.py).
 """
 
 from __future__ import annotations
@@ -137,8 +137,8 @@ def _gate_store(o, gate, out, offs, mask):
 def _token_slots_kernel(tokens, seq_ids, block_table, token_slots, W, table_w, BLOCK: tl.constexpr):
     """token_slots[row, i] = page * 32 + offset of tokens[row, i] (``slots_of`` without the KV head),
     -1 where it reads nothing. One pass before the split kernel, so that its loop waits on one load
-    (this slot) before the K/V loads instead of two (the token, then its page): measured 10 % off the
-    bf16 decode step and 25 % off the fp8 one on the H200."""
+    (this slot) before the K/V loads instead of two (the token, then its page), which shortens the
+    decode step (reports/bench/gpu-notes.md, "Sparse GQA decode")."""
     row = tl.program_id(0).to(tl.int64)
     n = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     tok = tl.load(tokens + row * W + n, mask=n < W, other=-1).to(tl.int64)
@@ -168,9 +168,9 @@ def _decode_split_kernel(q, token_slots, k_pool, k_sf, k_gs, v_pool, v_sf, v_gs,
     l_i = tl.zeros([G_PAD], tl.float32)
     acc = tl.zeros([G_PAD, D], tl.float32)
     # int32 loop bounds and token offsets (W < 2^31 / BLOCK_N), widened to int64 by row * W below:
-    # with an int64 induction variable, the loop body of an earlier revision (tokens, then pages,
-    # loaded in the loop) made triton 3.6's remove-layout-conversions pass emit an invalid
-    # arith.select (docs/gpu.md, "Limits"). No branch in the body (a tile of padding reads nothing through its
+    # an int64 induction variable over a loop body that loads tokens, then pages, makes triton 3.6's
+    # remove-layout-conversions pass emit an invalid arith.select (reports/bench/gpu-notes.md, "The
+    # triton 3.6 compile failure"). No branch in the body (a tile of padding reads nothing through its
     # masks), so the software pipeliner can take the loop.
     first = tl.program_id(2) * tiles_per_split
     for t in tl.range(first, first + tiles_per_split, num_stages=STAGES):
@@ -247,7 +247,8 @@ def _nvfp4_group_pad(g: int) -> int:
 
 
 # Decode launch shape per page format on a GPU: (tokens a tile, warps, pipeline stages, programs per
-# SM to aim for). Measured on the H200 at 128 rows x 2048 tokens (bench/qsa_sparse_gqa.py, reports/bench/gpu-notes.md).
+# SM to aim for): the fastest of the grid `bench/qsa_sparse_gqa.py --shapes` timed on the H200 at 128
+# rows x 2048 tokens (reports/bench/qsa_sparse_gqa_shapes.md).
 _DECODE_SHAPE = {FMT_BF16: (32, 2, 3, 2), FMT_FP8: (64, 2, 2, 2), FMT_NVFP4: (32, 2, 2, 2)}
 
 
