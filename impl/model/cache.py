@@ -113,21 +113,25 @@ class OutOfPages(RuntimeError):
 
 @dataclass
 class PagePool:
-    """The free list of pages and the block table of every slot."""
+    """The free list of pages and the block table of every slot. A slot holds its pages as a
+    prefix of its table row (blocks 0 .. held - 1): ``ensure`` extends it, ``release`` empties it,
+    so a step's bookkeeping costs the pages it takes, not the pages the slot already holds."""
 
     num_pages: int
     slots: int
     pages_per_slot: int
     free: list[int] = field(default_factory=list)
     block_table: torch.Tensor = field(init=False)
+    held: list[int] = field(init=False)
 
     def __post_init__(self) -> None:
         # Pages are handed out from the top down, so a page index rarely equals a block index.
         self.free = list(range(self.num_pages))
         self.block_table = torch.full((self.slots, self.pages_per_slot), -1, dtype=torch.int32)
+        self.held = [0] * self.slots
 
     def pages_of(self, slot: int) -> list[int]:
-        return [int(p) for p in self.block_table[slot] if p >= 0]
+        return self.block_table[slot, :self.held[slot]].tolist()
 
     def ensure(self, slot: int, length: int) -> list[int]:
         """Give ``slot`` pages for tokens 0 .. length - 1; returns the newly taken pages."""
@@ -135,20 +139,21 @@ class PagePool:
         if need > self.pages_per_slot:
             raise OutOfPages(f"slot {slot}: {length} tokens need {need} pages, more than the "
                              f"{self.pages_per_slot} a request may hold")
-        taken = []
-        for b in range(need):
-            if int(self.block_table[slot, b]) < 0:
-                if not self.free:
-                    raise OutOfPages(f"slot {slot}: no free page for block {b}")
-                page = self.free.pop()
-                self.block_table[slot, b] = page
-                taken.append(page)
+        first = self.held[slot]
+        if need <= first:
+            return []
+        if need - first > len(self.free):
+            raise OutOfPages(f"slot {slot}: no free page for block {first + len(self.free)}")
+        taken = [self.free.pop() for _ in range(need - first)]
+        self.block_table[slot, first:need] = torch.tensor(taken, dtype=torch.int32)
+        self.held[slot] = need
         return taken
 
     def release(self, slot: int) -> list[int]:
         pages = self.pages_of(slot)
         self.free.extend(reversed(pages))
         self.block_table[slot] = -1
+        self.held[slot] = 0
         return pages
 
 
