@@ -1,7 +1,8 @@
 """``certify run --ray local`` on a local Ray cluster of CI's two CPUs (certify/harness/ray_run.py):
 the distributed run writes the receipts a one-process run writes, digests included; a worker that
 dies mid-task is retried and the run converges; an arch no node offers is refused up front; a
-variant whose bytes differ run to run is flagged when the workers' receipts are merged."""
+variant whose bytes differ run to run is flagged when the workers' receipts are merged; a unit that
+fails on every attempt is reported, and what the other units finished is merged."""
 
 from __future__ import annotations
 
@@ -29,6 +30,9 @@ NONDETERMINISTIC = """  - name: noisy
 DIES = """  - name: dies
     impl: tests.framework.broken_variants:gated_rmsnorm_dies_once
     archs: [cpu, sm_90]
+  - name: always_dies
+    impl: tests.framework.broken_variants:gated_rmsnorm_always_dies
+    archs: [cpu]
 """
 
 
@@ -58,12 +62,21 @@ def test_a_ray_run_writes_what_a_one_process_run_writes(tmp_path):
     assert workers, "each worker writes its own receipts file"
 
 
-def test_a_worker_that_dies_is_retried_and_an_absent_arch_is_refused(tmp_path):
+def test_dead_workers_are_retried_failed_units_reported_absent_archs_refused(tmp_path):
     project = make_project(tmp_path, extra_variant=DIES)
     res = _certify(project, "run", "--ray", "local", "--op", "norm_x")
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    out = res.stdout[-3000:] + res.stderr[-3000:]
+    # always_dies kills every worker it lands on: it is reported after its 3 attempts (the first and
+    # Ray's 2 retries), and what the others finished is merged
+    assert res.returncode == 1, out
+    assert "FAILED norm_x::always_dies::rows_4::cpu after 3 attempt(s): WorkerCrashedError" \
+        in res.stderr, out
+    assert "1 target(s) failed on every attempt and have no receipt; 3 finished" in res.stderr, out
+    assert "took 3 new" in res.stdout, out
     assert (project / "died-once.marker").is_file(), "the planted variant killed its worker once"
-    assert _records(project)[("norm_x", "dies", "rows_4")]["status"] == "passed"
+    records = _records(project)
+    assert records[("norm_x", "dies", "rows_4")]["status"] == "passed"
+    assert {k[1] for k in records} == {"torch", "high", "dies"}
     res = _certify(project, "run", "--ray", "local", "--arch", "sm_90")
     assert res.returncode == 1
     assert "refused norm_x::dies::rows_4::sm_90: no node of the cluster offers sm_90" in res.stderr
