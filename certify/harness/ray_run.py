@@ -3,13 +3,14 @@ machine's own, started for the run; ``auto``: the running cluster Ray finds; els
 
 Each target is one task with the resources of its arch: ``cpus`` CPUs (``--ray-cpus``, default 1;
 torch runs on that many threads, and a receipt records its thread count), ``cpu-interpret`` tasks in
-workers of their own started with ``TRITON_INTERPRET=1``, and for ``sm_*`` one GPU and one unit of
-a custom resource named after the arch (a GPU node offers it: ``ray start --num-gpus 1 --resources
-'{"sm_90": 1}'``). torch's CPU kernels may split a reduction by thread count, so receipts made on
-one thread can differ in their last bits from receipts made on two, and merge calls that a platform
-difference: give the tasks the thread count the receipts were made with to reproduce them. Tasks are submitted longest first (their last receipt's seconds). A
-task writes its receipt into a folder of its own worker (``<runs>/<worker>/<arch>.jsonl``) on the
-shared file system, and Ray runs a task again when its worker dies (``max_retries``). A task that
+workers started with ``TRITON_INTERPRET=1`` (``cpu`` tasks alike), and for ``sm_*`` one GPU and one
+unit of a custom resource named after the arch (a GPU node offers it: ``ray start --num-gpus 1
+--resources '{"sm_90": 1}'``). torch's CPU kernels may split a reduction by thread count, so
+receipts made on one thread can differ in their last bits from receipts made on two, and merge calls
+that a platform difference: give the tasks the thread count the receipts were made with to
+reproduce them. Tasks are submitted longest first (their last receipt's seconds). A task writes its
+receipt into a folder of its own worker (``<runs>/<worker>/<arch>.jsonl``) on the shared file
+system, and Ray runs a task again when its worker dies (``max_retries``). A task that
 still fails (its worker died on every attempt, or it raised) is reported with its target, the
 attempts it started (each attempt leaves a marker under ``<runs>/attempts/``) and Ray's reason; the
 other tasks run on. At the end ``certify merge`` folds the worker folders into the receipts
@@ -57,10 +58,12 @@ def _why(error: Exception) -> str:
 
 
 def _resources(arch: str, cpus: int) -> dict:
+    """A task's resources. ``cpu`` and ``cpu-interpret`` tasks share one runtime environment, the
+    interpreter's (a ``cpu`` variant launches no Triton kernel): workers of two environments would
+    take turns under the node's worker limit, each turn starting new ones."""
     if arch.startswith("sm_"):
         return {"num_cpus": cpus, "num_gpus": 1, "resources": {arch: 1}}
-    env = {"TRITON_INTERPRET": "1"} if arch == "cpu-interpret" else {}
-    return {"num_cpus": cpus, "runtime_env": {"env_vars": env}} if env else {"num_cpus": cpus}
+    return {"num_cpus": cpus, "runtime_env": {"env_vars": {"TRITON_INTERPRET": "1"}}}
 
 
 def _offered(arch: str, cluster: dict, cpus: int) -> bool:
