@@ -95,3 +95,87 @@ def test_a_nondeterministic_variant_is_flagged_when_the_workers_receipts_merge(t
     assert "2 already held" in res.stdout, res.stdout
     assert (project / "receipts" / "cpu.jsonl").read_bytes() == before
     assert (project / "receipts" / "cpu.jsonl.conflicts").is_file()
+
+
+# ------------------------------------------------------------------------------ the repository's cells
+
+PRE_MERGE_ARCHS = ("cpu", "cpu-interpret")
+SUBSET_MAX_SECONDS = 1.0
+COMPARED = ("status", "hash", "digests", "metrics", "seed", "versions", "message")
+
+
+def _premerge_cell_targets(subset: bool) -> tuple[list, dict[str, float]]:
+    """The cell targets of test_lists/premerge.yml on the pre-merge archs, with their measured
+    seconds by target name. ``subset``: per (op, arch), the cheapest of them, where it costs at most
+    SUBSET_MAX_SECONDS (the whole list is some 150 targets and 300 s a run, a run each way, more
+    than the pre-merge budget holds for one test; this keeps every op and both archs that fit, at
+    about 10 s a run; the ``all`` parameter runs the whole list, on demand)."""
+    from certify.catalog.load import load_catalog
+    from certify.catalog.plan import targets
+    from certify.files.paths import project_paths
+    from certify.harness.requirements import why_skipped
+    from certify.lists.records import list_ids
+    from certify.receipts.store import load_receipts
+
+    paths = project_paths()
+    cells = paths.cells.relative_to(paths.root).as_posix()
+    by_id = {f"{cells}/{op.op}.yaml::{t.item_name}": t
+             for op in load_catalog(paths.cells).ops.values() for t in targets(op)}
+    books = load_receipts(paths.receipts)
+    durations = {}
+    for i, t in by_id.items():
+        r = books.get(t.arch, {}).get((t.op.op, t.variant.name, t.cell.id))
+        if r is not None:
+            durations[i] = r.seconds
+    listed = [i for i in list_ids(paths.lists / "premerge.yml") if i in by_id]
+    chosen = [i for i in listed if by_id[i].arch in PRE_MERGE_ARCHS and not why_skipped(by_id[i].variant)]
+    if subset:
+        cheapest: dict[tuple[str, str], str] = {}
+        for i in sorted(chosen, key=lambda i: (durations.get(i, float("inf")), i)):
+            cheapest.setdefault((by_id[i].op.op, by_id[i].arch), i)
+        chosen = sorted(i for i in cheapest.values()
+                        if durations.get(i, float("inf")) <= SUBSET_MAX_SECONDS)
+    return [by_id[i] for i in chosen], {by_id[i].name: durations.get(i, 1.0) for i in chosen}
+
+
+def _compared(receipts_dir: Path) -> dict:
+    from certify.receipts.store import load_receipts
+
+    return {(arch, key): {f: getattr(r, f) for f in COMPARED}
+            for arch, book in load_receipts(receipts_dir).items() for key, r in book.items()}
+
+
+@pytest.mark.parametrize("which", ["subset", pytest.param("all", marks=pytest.mark.ondemand)])
+def test_the_premerge_cells_on_ray_equal_a_one_process_run(which, tmp_path, monkeypatch):
+    """The repository's pre-merge cells, certified on a local Ray cluster (tasks of one CPU, torch
+    on one thread) and in this process on one thread, give the same receipts: status, content hash,
+    output digests, metrics, seed, versions and CPU dispatch. Receipts go to temporary folders."""
+    import torch
+
+    from certify.catalog.load import load_catalog
+    from certify.files.paths import project_paths
+    from certify.harness.ray_run import run_on_ray
+    from certify.harness.runner import run_targets
+    from certify.receipts.merge import merge
+
+    paths = project_paths()
+    chosen, seconds = _premerge_cell_targets(subset=which == "subset")
+    assert {t.arch for t in chosen} == set(PRE_MERGE_ARCHS)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        run_targets(chosen, tmp_path / "local", show_progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    receipts, refused, failed = run_on_ray(chosen, "local", paths, tmp_path / "workers", seconds, 1)
+    assert not refused and not failed, (refused, [str(f) for f in failed])
+    assert len(receipts) == len(chosen)
+    res = merge(load_catalog(paths.cells), tmp_path / "ray", [tmp_path / "workers"])
+    assert not res.conflicts and not res.left_out and not res.damaged, \
+        ([str(c) for c in res.conflicts], res.left_out, res.damaged)
+    local, ray_run = _compared(tmp_path / "local"), _compared(tmp_path / "ray")
+    assert len(local) == len(chosen)
+    differ = sorted(k for k in local if local[k] != ray_run.get(k))
+    assert not differ and local.keys() == ray_run.keys(), \
+        [(k, local[k], ray_run.get(k)) for k in differ[:3]]
