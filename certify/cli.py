@@ -35,10 +35,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
     chosen = select(catalog, args.op, args.tier, args.arch, only_outdated=args.outdated,
                     receipts_dir=paths.receipts)
+    ray_ok = True
     if args.ray:
-        receipts = _run_on_ray(args, paths, catalog, chosen)
-        if receipts is None:
-            return 1
+        receipts, ray_ok = _run_on_ray(args, paths, catalog, chosen)
     else:
         receipts = run_targets(chosen, None if args.dry_run else paths.receipts)
     declared = {(r.op, r.variant, r.cell, r.arch): catalog.ops[r.op].cell(r.cell).expected_failure(
@@ -58,12 +57,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     for r in surprise:
         print(f"  UNEXPECTED PASS {r.op}::{r.variant}::{r.cell}::{r.arch}: it is declared to fail; "
               f"remove its expected_failures entry from {r.op}'s cell file")
-    return 1 if bad or surprise or catalog.errors else 0
+    return 1 if bad or surprise or catalog.errors or not ray_ok else 0
 
 
 def _run_on_ray(args, paths, catalog, chosen):
-    """The targets as Ray tasks (certify.harness.ray_run), the worker folders merged back; None
-    where the merge found a conflict or an arch was refused."""
+    """The targets as Ray tasks (certify.harness.ray_run), what the workers finished merged back
+    (also when some failed, or the run was interrupted): (the receipts, False where an arch was
+    refused, a task failed on every attempt or the merge found a conflict)."""
     import time  # noqa: PLC0415
 
     from certify.harness.ray_run import run_on_ray  # noqa: PLC0415
@@ -77,16 +77,23 @@ def _run_on_ray(args, paths, catalog, chosen):
     cost = {t.name: r.seconds for t in chosen
             if (r := books.get(t.arch, {}).get((t.op.op, t.variant.name, t.cell.id)))}
     out = paths.root / "runs" / "ray" / time.strftime("%Y%m%d-%H%M%S")
-    receipts, refused = run_on_ray([t for t in chosen if t not in skipped], args.ray, paths, out,
-                                   cost, args.ray_cpus)
+    merged = None
+    try:
+        receipts, refused, failed = run_on_ray([t for t in chosen if t not in skipped], args.ray,
+                                               paths, out, cost, args.ray_cpus)
+    finally:  # what finished is kept, whatever stopped the run
+        if not args.dry_run and out.is_dir():
+            merged = merge(catalog, paths.receipts, [out])
+            print(merge_text(merged, False))
     for line in refused:
         print(f"refused {line}", file=sys.stderr)
-    if not args.dry_run:
-        res = merge(catalog, paths.receipts, [out])
-        print(merge_text(res, False))
-        if res.conflicts or res.damaged:
-            return None
-    return None if refused else receipts
+    for f in failed:
+        print(f"FAILED {f}", file=sys.stderr)
+    if failed:
+        print(f"{len(failed)} target(s) failed on every attempt and have no receipt; "
+              f"{len(receipts)} finished", file=sys.stderr)
+    conflict = merged is not None and bool(merged.conflicts or merged.damaged)
+    return receipts, not (refused or failed or conflict)
 
 
 def _cmd_report(args: argparse.Namespace) -> int:

@@ -20,6 +20,9 @@ from certify.files.utf8 import NotUtf8Error, read_utf8
 
 M = TypeVar("M", bound=BaseModel)
 _CONSTRUCTOR = yaml.SafeLoader("")  # builds Python values from already-composed scalar nodes
+# libyaml's parser where PyYAML has it (the same nodes and marks, about 10 times as fast: a catalog of
+# ten thousand cells loads in a second), the pure-Python one otherwise
+_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 
 
 class YamlProblem(Exception):
@@ -56,7 +59,7 @@ def load_mapping(path: Path) -> tuple[dict, dict[tuple, int]]:
     """The file's top-level mapping and the line of every path in it; ``YamlProblem`` otherwise."""
     lines: dict[tuple, int] = {}
     try:
-        node = yaml.compose(read_utf8(path))
+        node = yaml.compose(read_utf8(path), Loader=_LOADER)
     except NotUtf8Error as e:
         raise YamlProblem(e.line, "(file)", e.message) from None
     except yaml.YAMLError as e:

@@ -33,6 +33,7 @@ def plan_units(inp: Inputs, catalog: Catalog, books: dict, archs: list[str] | No
     items = build_items(inp.records, inp.durations, inp.budgets, inp.reach, inp.ops,
                         inp.gate_seconds)
     units = []
+    hashes: dict[tuple[str, str, str], str] = {}   # a target's hash does not depend on its arch
     for it in items:
         if it.kind not in ("cell", "gate") or (archs and it.arch not in archs):
             continue
@@ -47,19 +48,25 @@ def plan_units(inp: Inputs, catalog: Catalog, books: dict, archs: list[str] | No
             status = freshness(r, op, t.variant.name, t.cell, it.arch)
             if outdated and status in UP_TO_DATE:
                 continue
-            unit |= {"op": it.op, "variant": it.variant, "cell": it.cell,
-                     "hash": content_hash(op, t.variant.name, t.cell), "status": status}
+            key = (op.op, t.variant.name, t.cell.id)
+            if key not in hashes:
+                hashes[key] = content_hash(op, t.variant.name, t.cell)
+            unit |= {"op": it.op, "variant": it.variant, "cell": it.cell, "hash": hashes[key],
+                     "status": status}
         units.append(unit)
     units.sort(key=lambda u: (-u["seconds"], u["id"]))
     return units
 
 
 def plan_json(units: list[dict]) -> str:
+    """The plan as JSON: its format, totals, then the units, one a line."""
     totals = {"units": len(units), "seconds": round(sum(u["seconds"] for u in units), 3),
               "gpu_seconds": round(sum(u["seconds"] * u["gpus"] for u in units), 3),
               "estimated": sum(not u["measured"] for u in units)}
-    return json.dumps({"format": PLAN_FORMAT, "totals": totals, "units": units}, indent=1,
-                      sort_keys=True) + "\n"
+    head = json.dumps({"format": PLAN_FORMAT, "totals": totals}, indent=1, sort_keys=True)
+    body = "[\n" + ",\n".join("  " + json.dumps(u, sort_keys=True) for u in units) + "\n ]" \
+        if units else "[]"
+    return head.removesuffix("\n}") + ',\n "units": ' + body + "\n}\n"
 
 
 def slurm_script(units: list[dict], receipts: str = "worker-receipts") -> str:

@@ -41,6 +41,13 @@ def gated_rmsnorm_dies_once(o, z, w, *, out) -> None:
     torch_ops.gated_rmsnorm(o, z, w, out=out)
 
 
+def gated_rmsnorm_always_dies(o, z, w, *, out) -> None:
+    """Kills its own process on every call, as a unit that crashes every worker it lands on."""
+    import os
+
+    os._exit(1)
+
+
 def gated_rmsnorm_nondeterministic(o, z, w, *, out) -> None:
     """The gated norm plus a different tiny perturbation on every call: its bytes never repeat."""
     import os

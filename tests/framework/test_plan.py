@@ -1,9 +1,11 @@
 """``certify plan``: the work as units for a scheduler (certify/lists/units.py), a Slurm array task
-run by hand, whose receipts ``certify merge`` folds back, and a Kubernetes Indexed Job checked
-against the Kubernetes API's own schema (kubernetes-validate), whose pod command runs as well."""
+run by hand, whose receipts ``certify merge`` folds back, a Kubernetes Indexed Job checked
+against the Kubernetes API's own schema (kubernetes-validate), whose pod command runs as well, and
+the plan of a synthetic catalog of 10,000 cells x 4 archs within 10 s (tools/plan_scale.py)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -110,3 +112,26 @@ def test_a_kubernetes_job_validates_against_the_api_schema_and_its_command_runs(
                          text=True, timeout=600)
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
     assert list((tmp_path / "workers" / "0").rglob("cpu.jsonl"))
+
+
+def test_the_plan_of_ten_thousand_cells_on_four_archs_takes_under_ten_seconds(tmp_path):
+    spec = importlib.util.spec_from_file_location("plan_scale", PATHS.root / "tools" / "plan_scale.py")
+    scale = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale)
+    project = scale.make_project(tmp_path, 10_000)
+    wall, cpu, plan = scale.time_plan(project)
+    units = plan["units"]
+    assert plan["totals"]["units"] == len(units) == 40_000
+    assert {(u["cell"], u["arch"]) for u in units} == \
+        {(f"c{i}", a) for i in range(10_000) for a in scale.ARCHS}
+    # one hash a cell, on every arch, and another for every cell (the hash itself: the test above)
+    hashes = {}
+    for u in units:
+        hashes.setdefault(u["cell"], set()).add(u["hash"])
+        assert u["gpus"] == (1 if u["arch"].startswith("sm_") else 0)
+    assert all(len(h) == 1 for h in hashes.values())
+    assert len(set().union(*hashes.values())) == 10_000
+    # The bound holds the command's CPU seconds (user and system; wall time on an idle core): a
+    # loaded CI machine stretches the wall time, not the work (about 7 CPU s on CI's cores, idle or
+    # with both cores busy elsewhere, when the wall time was 7 s and 23-27 s).
+    assert cpu < 10, f"certify plan took {cpu:.1f} CPU s ({wall:.1f} s wall) for 40,000 units"
