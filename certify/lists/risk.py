@@ -33,6 +33,17 @@ class Item:
     why: str = ""
     mandatory: str | None = None   # the reason it is mandatory, in its tier
     shard: int = 0
+    # a gate's measured cost on a GPU arch, by arch: a tier whose machine has that arch runs the
+    # gate there (the engine takes the GPU when there is one), at this cost
+    arch_cost: dict[str, float] = field(default_factory=dict)
+
+    def cost_on(self, archs: tuple[str, ...], gpus: int) -> float:
+        """The item's cost on a machine with ``archs`` and ``gpus`` GPUs."""
+        if gpus:
+            for arch in archs:
+                if arch in self.arch_cost:
+                    return self.arch_cost[arch]
+        return self.cost
 
     @property
     def density(self) -> float:
@@ -73,11 +84,14 @@ def reach_index(reach: dict | None) -> dict[tuple[str, str], dict[str, set[str]]
 
 
 def build_items(records: list[dict], durations: dict[str, float], b: Budgets, reach: dict | None,
-                ops: list[str], gate_seconds: dict[str, float] | None = None) -> list[Item]:
+                ops: list[str], gate_seconds: dict[str, dict[str, float]] | None = None
+                ) -> list[Item]:
     """Items with cost (measured or estimated) and features; risk is set by ``_score``. An item's
     cost is its measured duration; a gate item without one takes its last ``certify gates run``
-    cost (``gate_seconds``, by gate name) when there is one, else the budgets' estimate."""
+    cost on the gates' arch (``gate_seconds``: arch -> gate name -> seconds) when there is one,
+    else the budgets' estimate, and keeps its measured costs on the GPU archs (``arch_cost``)."""
     gate_seconds = gate_seconds or {}
+    gate_arch = b.conditions.gate_archs[0]
     reached = reach_index(reach)
     r = b.risk
     weights: dict[str, float] = {}
@@ -93,14 +107,17 @@ def build_items(records: list[dict], durations: dict[str, float], b: Budgets, re
             arch = b.conditions.gate_archs[0]
         if rec["id"] in durations:
             cost, measured = durations[rec["id"]], True
-        elif kind == "gate" and gate_seconds.get(rec["gate"]["name"]):
-            cost, measured = gate_seconds[rec["gate"]["name"]], True
+        elif kind == "gate" and gate_seconds.get(gate_arch, {}).get(rec["gate"]["name"]):
+            cost, measured = gate_seconds[gate_arch][rec["gate"]["name"]], True
         elif kind == "gate":
             cost, measured = gate_cost(rec["gate"], b), False
         else:
             cost, measured = b.estimates.by_arch.get(arch, b.estimates.by_tier[rec["tier"]]), False
         it = Item(id=rec["id"], declared=rec["tier"], arch=arch, kind=kind, cost=float(cost),
                   measured=measured, gpus=gpus, guards=tuple(rec.get("guards", ())))
+        if kind == "gate":
+            it.arch_cost = {a: by[rec["gate"]["name"]] for a, by in sorted(gate_seconds.items())
+                            if a in b.conditions.gpu_archs and by.get(rec["gate"]["name"])}
         f = it.features
         if kind == "cell":
             c = rec["cell"]

@@ -159,8 +159,10 @@ def select(items: list[Item], b: Budgets, reach: dict | None,
         for it in must:
             it.mandatory = mandatory[tier][it.id]
             it.why = f"mandatory {tier}: {it.mandatory}"
+        # what an item costs on this tier's machine (a gate measured on its GPU: that cost)
+        cost = {it.id: it.cost_on(tb.archs, tb.gpus) for it in left}
         must_ids = {it.id for it in must}
-        mcost = sum(it.cost for it in must)
+        mcost = sum(cost[it.id] for it in must)
         if tier == "ondemand" or limit is None:
             chosen = [it for it in left if it.id not in must_ids]
             gap = 0.0
@@ -172,15 +174,16 @@ def select(items: list[Item], b: Budgets, reach: dict | None,
                      and not (tier == "premerge" and b.estimates.measured_only_premerge
                               and not it.measured)]
             vals = np.array([it.risk for it in cands], dtype=float)
-            costs = np.array([it.cost for it in cands], dtype=float)
+            costs = np.array([cost[it.id] for it in cands], dtype=float)
             pick, gap = knapsack(vals, costs, limit - mcost)
             chosen = [it for it, p in zip(cands, pick) if p]
             for it in chosen:
                 it.why = (f"packed into {tier} by the exact knapsack (risk {it.risk:.4g} for "
-                          f"{it.cost:.2f} s, {it.density:.4g} risk/s)")
+                          f"{cost[it.id]:.2f} s, {it.risk / max(cost[it.id], 1e-9):.4g} risk/s)")
         placed = must + chosen
         for it in placed:
             it.tier = tier
+            it.cost = cost[it.id]
         placed.sort(key=lambda i: i.id)
         shards = lpt(placed, tb.shards)
         results[tier] = TierResult(tier, placed, sum(i.cost for i in placed),
@@ -200,7 +203,8 @@ class Inputs:
     durations: dict[str, float]
     reach: dict | None
     ops: list[str]
-    gate_seconds: dict[str, float] = field(default_factory=dict)   # last measured, by gate name
+    # last measured, arch -> gate name -> seconds
+    gate_seconds: dict[str, dict[str, float]] = field(default_factory=dict)
 
 
 def load_inputs(paths) -> Inputs:
@@ -217,18 +221,23 @@ def load_inputs(paths) -> Inputs:
     return Inputs(b, records, durations, reach, ops, gate_report_seconds(Path(paths.reports) / "gates"))
 
 
-def gate_report_seconds(gates_dir: Path) -> dict[str, float]:
-    """Each gate's cost as its committed report measured it (``certify gates run
-    --update-reports``), by gate name; skipped runs and unreadable reports give none."""
-    out = {}
-    for p in sorted(gates_dir.glob("*.json")) if gates_dir.is_dir() else []:
+def gate_report_seconds(gates_dir: Path) -> dict[str, dict[str, float]]:
+    """Each gate's cost as its committed reports measured it, by the arch it ran on and gate name:
+    reports/gates/<gate>.json (``certify gates run --update-reports``) and a GPU arch's runs in
+    reports/gates/<arch>/<gate>.json. Skipped runs and unreadable reports give none."""
+    out: dict[str, dict[str, float]] = {}
+    if not gates_dir.is_dir():
+        return out
+    paths = sorted(gates_dir.glob("*.json")) + sorted(gates_dir.glob("*/*.json"))
+    for p in paths:
         try:
             r = json.loads(read_utf8(p))
         except (OSError, ValueError):
             continue
         if isinstance(r, dict) and r.get("status") not in (None, "skipped") and r.get("gate") \
                 and float(r.get("seconds") or 0) > 0:
-            out[r["gate"]] = float(r["seconds"])
+            arch = str(r.get("arch") or "cpu")
+            out.setdefault(arch, {}).setdefault(r["gate"], float(r["seconds"]))
     return out
 
 

@@ -9,7 +9,8 @@ import pytest
 
 from certify.files.problem import FileProblem
 from certify.lists.budgets import load_budgets
-from certify.lists import build_items, generate, items_text, list_tiers, load_inputs, render_all, sweep
+from certify.lists import (build_items, generate, items_text, list_tiers, load_inputs, render_all,
+                           select, sweep)
 from certify.files.paths import project_paths
 from certify.pytest_plugin import UNIVERSE
 
@@ -173,10 +174,40 @@ def test_a_gate_without_a_pytest_duration_takes_its_reports_measured_cost(inp, t
                                                        "seconds": 3.0}))
     (tmp_path / "broken.json").write_text("{")
     seconds = gate_report_seconds(tmp_path)
-    assert seconds == {name: 1234.5}
+    assert seconds == {"cpu": {name: 1234.5}}
     items = {i.id: i for i in build_items(inp.records, inp.durations, inp.budgets, inp.reach,
                                           inp.ops, seconds)}
     assert items[gate["id"]].cost == 1234.5 and items[gate["id"]].measured
     estimated = {i.id: i for i in build_items(inp.records, inp.durations, inp.budgets, inp.reach,
                                               inp.ops)}
     assert not estimated[gate["id"]].measured
+
+
+def test_a_gate_measured_on_a_gpu_costs_that_on_a_tier_with_the_gpu(inp, tmp_path):
+    """A gate's run on a GPU arch (reports/gates/<arch>/<gate>.json) is its cost on a tier whose
+    machine has that arch and a GPU; a tier without one keeps the CPU cost."""
+    import json
+
+    from certify.lists.selection import gate_report_seconds
+
+    gate = next(r for r in inp.records if "gate" in r and r["id"] not in inp.durations)
+    name = gate["gate"]["name"]
+    gpu_arch = inp.budgets.conditions.gpu_archs[0]
+    (tmp_path / f"{name}.json").write_text(json.dumps({"gate": name, "status": "passed",
+                                                       "seconds": 300.0, "arch": "cpu"}))
+    (tmp_path / gpu_arch).mkdir()
+    (tmp_path / gpu_arch / f"{name}.json").write_text(json.dumps(
+        {"gate": name, "status": "passed", "seconds": 40.0, "arch": gpu_arch}))
+    seconds = gate_report_seconds(tmp_path)
+    assert seconds == {"cpu": {name: 300.0}, gpu_arch: {name: 40.0}}
+    item = {i.id: i for i in build_items(inp.records, inp.durations, inp.budgets, inp.reach,
+                                         inp.ops, seconds)}[gate["id"]]
+    assert item.cost == 300.0 and item.arch_cost == {gpu_arch: 40.0}
+    assert item.cost_on((gpu_arch, "cpu"), gpus=1) == 40.0
+    assert item.cost_on(("cpu",), gpus=0) == 300.0
+    assert item.cost_on((gpu_arch,), gpus=0) == 300.0   # the arch without its GPU: not there
+    b = inp.budgets
+    items = build_items(inp.records, inp.durations, b, inp.reach, inp.ops, seconds)
+    placed = {i.id: i for i in select(items, b, inp.reach).items}[gate["id"]]
+    tb = b.tiers[placed.tier]
+    assert placed.cost == (40.0 if gpu_arch in tb.archs and tb.gpus else 300.0)
