@@ -104,7 +104,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     choice("--model-dtype", ec.ModelDtype, "bf16", "weights and activations")
     choice("--kv-dtype", ec.KvCacheDtype, "bf16", "paged K/V storage")
     choice("--state-dtype", ec.StateDtype, "fp32", "GDN recurrent-state pool")
-    choice("--moe-backend", ec.MoeBackend, "torch", "routed-expert kernels")
+    choice("--moe-backend", ec.MoeBackend, "auto",
+           "the moe op's variant: triton (grouped GEMMs), torch (the composition) or spec_lowp "
+           "(the reference); auto: the dispatch rules' choice")
     choice("--ple-tables", ec.PleTables, "device",
            "where the PLE tables E and G live: device memory, or host memory mapped into the "
            "device (cuda only)")

@@ -159,7 +159,8 @@ class Engine:
         if self.k and weights.mtp is None:
             raise ValueError("speculation needs the MTP draft layer's weights")
         self.dispatcher = Dispatcher(ctx.catalog, arch, batch_invariant=config.batch_invariant,
-                                     torch_only=config.torch_only, numerics=config.numerics)
+                                     torch_only=config.torch_only, numerics=config.numerics,
+                                     pinned=config.pinned_variants())
         self.model = Model(weights, self.cfg, Ops(self.dispatcher))
         state_dtype = _DTYPES[config.state_dtype]
         # Decode graphs pad their rows with a spare slot that no request is given.

@@ -17,9 +17,14 @@ Decisions:
   ``state_dtype`` accepts 'fp16', so that their rules refuse them with their own message rather than a
   type error. ``model_dtype`` accepts 'bf16' | 'fp16' | 'fp32'; only bf16 (every ``act_dtype`` axis of
   the catalog) is supported.
-- ``moe_backend``: 'torch' (the spec composition, the only MoE path this project has: the moe cells'
-  only variant is the spec's own low-precision path) is supported; 'trtllm' and 'cutedsl' are accepted by
-  the type and refused by ``moe_backend_supported`` (no such kernels exist here).
+- ``moe_backend`` names the variant of the op ``moe`` the engine runs (the catalog's variants: triton,
+  the grouped GEMMs of impl/kernels/moe/triton_moe.py; torch, the composition of torch_moe.py;
+  spec_lowp, the reference), or 'auto': the variant the dispatch rules choose, in file order. A named
+  variant is the only candidate of every moe call (``pinned_variants``, read by the ``Dispatcher``); rule
+  ``moe_backend_supported`` refuses a name that is not a variant of moe, or whose variant cannot run on
+  the arch in the configured mode (batch-invariant mode runs references only, torch_only torch
+  compositions only). 'trtllm' and 'cutedsl', the backends of the engine this target comes from, are
+  accepted by the type and refused by the rule: no such kernels exist here.
 - Speculation (``speculative``) is MTP with a fixed draft length K in 1..7; ``dynamic_draft_length``
   is accepted by the type and refused by ``static_draft_length``.
 - **Certified for the draft length** (rule ``verify_width_certified``). The ops whose width is the
@@ -66,10 +71,11 @@ PleTables = Literal["device", "host"]
 ModelDtype = Literal["bf16", "fp16", "fp32"]
 KvCacheDtype = Literal["bf16", "fp8", "nvfp4", "fp16", "int8"]
 StateDtype = Literal["fp32", "bf16", "fp16"]
-MoeBackend = Literal["torch", "trtllm", "cutedsl"]
+# 'auto' (the dispatch rules' choice), a variant of the op moe, or a backend this project lacks
+MoeBackend = Literal["auto", "triton", "torch", "spec_lowp", "trtllm", "cutedsl"]
 Device = Literal["cpu", "cuda"]
 
-SUPPORTED_MOE_BACKENDS = ("torch",)
+MOE_OP = "moe"   # the op whose variant ``moe_backend`` names
 
 # config dtype name -> the catalog's axis value
 _CATALOG_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "fp8": "fp8",
@@ -103,7 +109,7 @@ class EngineConfig(BaseModel):
     model_dtype: ModelDtype = "bf16"
     kv_cache_dtype: KvCacheDtype = "bf16"
     state_dtype: StateDtype = "fp32"
-    moe_backend: MoeBackend = "torch"
+    moe_backend: MoeBackend = "auto"   # rule moe_backend_supported
     max_batch_size: int = Field(8, ge=1)
     max_num_tokens: int = Field(8192, ge=1)
     max_seq_len: int = Field(131072, ge=1)
@@ -123,6 +129,11 @@ class EngineConfig(BaseModel):
 
     def tier_of(self, op: str) -> str:
         return self.numerics.get(op, EXACT)
+
+    def pinned_variants(self) -> dict[str, str]:
+        """op -> the variant the configuration names for it (``moe_backend``); every other op's
+        variant is its dispatch rules' choice."""
+        return {} if self.moe_backend == "auto" else {MOE_OP: self.moe_backend}
 
     def model_geometry(self) -> ModelConfig:
         return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
@@ -209,10 +220,25 @@ def _model_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 
 def _moe_backend(c: EngineConfig, ctx: RuleContext) -> str | None:
-    if c.moe_backend in SUPPORTED_MOE_BACKENDS:
+    from certify.harness.archs import runtime_arch
+    from certify.harness.requirements import missing
+
+    name = c.pinned_variants().get(MOE_OP)
+    op = ctx.catalog.ops.get(MOE_OP)
+    if name is None or op is None:   # 'auto'; a catalog without moe fails ops_run_on_the_arch
         return None
-    return (f"moe_backend {c.moe_backend!r} has no kernels in this project; "
-            f"supported: {list(SUPPORTED_MOE_BACKENDS)}")
+    names = [v.name for v in op.variants]
+    if name not in names:
+        return (f"moe_backend {name!r} is not a variant of {MOE_OP} (its variants: "
+                f"{', '.join(names)}; 'auto' lets their dispatch rules choose)")
+    variant = op.variant(name)
+    why = why_not_runnable(c, variant, ctx.arch, c.tier_of(MOE_OP))
+    if why is not None:
+        return f"moe_backend {name!r}: {MOE_OP}'s variant {name!r} cannot run: {why}"
+    if ctx.arch == runtime_arch() and missing(variant):
+        return (f"moe_backend {name!r}: {MOE_OP}'s variant {name!r} needs "
+                f"{', '.join(missing(variant))}, not installed")
+    return None
 
 
 def _state_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
@@ -269,16 +295,31 @@ class Choice:
     note: str = ""
 
 
+def why_not_runnable(c: EngineConfig, v: Variant, arch: str, tier: str) -> str | None:
+    """Why the configuration may not run variant ``v`` on ``arch`` at numerics ``tier`` (None: it
+    may): another tier, another arch, a kernel in batch-invariant mode, a kernel not written in
+    torch with torch_only."""
+    from impl.model.dispatch import is_torch_variant
+
+    if v.numerics != tier:
+        return f"it claims the {v.numerics} numerics tier, the configuration asks {tier}"
+    if arch not in v.archs:
+        return f"it runs on {', '.join(v.archs)}, not on {arch}"
+    if c.batch_invariant and v.impl != "spec":
+        return "batch-invariant mode runs reference variants (impl: spec) only"
+    if c.torch_only and not is_torch_variant(v):
+        return "torch_only runs the variants written in torch only"
+    return None
+
+
 def runnable_variants(c: EngineConfig, op: OpFile, arch: str, tier: str) -> list[Variant]:
     """The variants of ``op``'s ``tier`` the configuration may run on ``arch``, in file order: in
     batch-invariant mode its references only; with torch_only those written in torch only, the
-    torch compositions before the references (``Dispatcher.candidates``)."""
-    from impl.model.dispatch import is_torch_variant
-
-    runnable = [v for v in op.variants
-                if v.numerics == tier and arch in v.archs
-                and (v.impl == "spec" or not c.batch_invariant)
-                and (is_torch_variant(v) or not c.torch_only)]
+    torch compositions before the references (``Dispatcher.candidates``); an op the configuration
+    names a variant of (``pinned_variants``) that variant only."""
+    pinned = c.pinned_variants().get(op.op)
+    runnable = [v for v in op.variants if why_not_runnable(c, v, arch, tier) is None
+                and (pinned is None or v.name == pinned)]
     return sorted(runnable, key=lambda v: c.torch_only and v.impl == "spec")
 
 
@@ -397,6 +438,7 @@ def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
     names += [KV_CODEC_OPS[c.kv_cache_dtype]] if c.kv_cache_dtype in KV_CODEC_OPS else []
     if c.speculative is not None:  # the verify-width ops have their own rule
         names += [n for n in SPECULATION_OPS if n not in VERIFY_WIDTH_OPS]
+    names = [n for n in names if n not in c.pinned_variants()]  # moe_backend_supported's
     missing = [n for n in names if n in ctx.catalog.ops
                and choose_variant(c, ctx.catalog.ops[n], ctx.arch).variant is None]
     missing += [n for n in names if n not in ctx.catalog.ops]
@@ -448,8 +490,9 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
 
     bad = uncapturable_calls(c, ctx)
     if bad:
-        return (f"a decode step of this geometry dispatches {', '.join(bad)}: reference variants "
-                "read values on the host, which a CUDA graph cannot capture")
+        return (f"a decode step of this geometry dispatches {', '.join(bad)}: variants that read "
+                "values on the host (references, HOST_READING_KERNELS), which a CUDA graph cannot "
+                "capture")
     return None
 
 
@@ -478,7 +521,8 @@ RULES: list[Rule] = [
     Rule("model_dtype_supported",
          "The model dtype is a value of every act_dtype axis in the catalog.", _model_dtype),
     Rule("moe_backend_supported",
-         "The MoE backend is one this project implements (torch).", _moe_backend),
+         "The MoE backend is 'auto' or a variant of the op moe that runs on the arch in the "
+         "configured mode.", _moe_backend),
     Rule("state_dtype_supported",
          "The recurrent-state dtype is fp32 or bf16 and a value of every state_dtype axis; fp16 is "
          "refused.", _state_dtype),

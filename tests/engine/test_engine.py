@@ -239,6 +239,16 @@ def test_report_names_variants_and_rates(weights):
     assert rep.generated_tokens == 3 and rep.tokens_per_second > 0
 
 
+@pytest.mark.parametrize("backend,want", [("auto", "spec_lowp"), ("torch", "torch"),
+                                          ("spec_lowp", "spec_lowp")])
+def test_the_engine_runs_the_configured_moe_backend(weights, backend, want):
+    config = EngineConfig(model="tiny", max_batch_size=1, max_num_tokens=32, max_seq_len=64,
+                          moe_backend=backend)
+    rep = Engine(config, weights).generate(_requests([10], new=2))
+    assert rep.variants["moe"] == [want]
+    assert len(rep.results["r0"].tokens) == 2
+
+
 def test_weights_must_match_the_configuration():
     w32 = init_weights(TINY, seed=0, dtype=torch.float32)
     with pytest.raises(ValueError, match="model_dtype"):

@@ -57,10 +57,61 @@ def test_model_dtype_supported():
                                "['bfloat16'] (and ")
 
 
-def test_moe_backend_supported():
-    r = only(EngineConfig(moe_backend="trtllm"))
+def test_moe_backend_names_a_variant_of_moe():
+    """Every backend value but 'auto' and the foreign ones is a variant of moe, and every variant
+    of moe is a backend value: the choice is the catalog's."""
+    from typing import get_args
+
+    from impl.model.engine_config import MOE_OP, MoeBackend
+    variants = {v.name for v in default_context(EngineConfig()).catalog.ops[MOE_OP].variants}
+    assert set(get_args(MoeBackend)) - {"auto", "trtllm", "cutedsl"} == variants
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutedsl"])
+def test_moe_backend_without_kernels_refused(backend):
+    r = only(EngineConfig(moe_backend=backend))
     assert r.rule == "moe_backend_supported"
-    assert r.reason == "moe_backend 'trtllm' has no kernels in this project; supported: ['torch']"
+    assert r.reason == (f"moe_backend {backend!r} is not a variant of moe (its variants: triton, "
+                        "spec_lowp, torch; 'auto' lets their dispatch rules choose)")
+
+
+def test_moe_backend_refused_where_its_variant_cannot_run():
+    cpu = default_context(EngineConfig())
+    gpu = RuleContext(cpu.model, cpu.catalog, "sm_90")
+    for config, ctx, why in [
+            (EngineConfig(moe_backend="triton"), cpu, "it runs on cpu-interpret, sm_90, not on cpu"),
+            (EngineConfig(moe_backend="torch", batch_invariant=True), cpu,
+             "batch-invariant mode runs reference variants (impl: spec) only"),
+            (EngineConfig(device="cuda", moe_backend="triton", torch_only=True), gpu,
+             "torch_only runs the variants written in torch only")]:
+        r = only(config, ctx)
+        assert r.rule == "moe_backend_supported"
+        assert r.reason == (f"moe_backend {config.moe_backend!r}: moe's variant "
+                            f"{config.moe_backend!r} cannot run: {why}")
+
+
+def test_moe_backend_is_the_variant_every_moe_call_runs():
+    cpu = default_context(EngineConfig())
+    gpu = RuleContext(cpu.model, cpu.catalog, "sm_90")
+    cases = [("auto", cpu, "spec_lowp"), ("torch", cpu, "torch"), ("spec_lowp", cpu, "spec_lowp"),
+             ("auto", gpu, "triton"), ("triton", gpu, "triton"), ("torch", gpu, "torch"),
+             ("spec_lowp", gpu, "spec_lowp")]
+    for backend, ctx, want in cases:
+        config = EngineConfig(device="cpu" if ctx.arch == "cpu" else "cuda", moe_backend=backend)
+        assert check(config, ctx) == [], (backend, ctx.arch)
+        assert route(config, ctx).choices["moe"].variant == want, (backend, ctx.arch)
+        assert f"\n  moe: {want} (dispatch at" in explain(config, ctx, receipts={})
+    with_ref = EngineConfig(moe_backend="spec_lowp", batch_invariant=True)
+    assert check(with_ref, cpu) == []
+
+
+def test_cuda_graphs_refuse_a_moe_backend_that_reads_the_host():
+    gpu = default_context(EngineConfig(device="cuda"), arch="sm_90")
+    assert check(EngineConfig(device="cuda", cuda_graphs=True, moe_backend="triton"), gpu) == []
+    for backend in ("torch", "spec_lowp"):
+        r = only(EngineConfig(device="cuda", cuda_graphs=True, moe_backend=backend), gpu)
+        assert r.rule == "cuda_graphs_capture_decode_on_cuda"
+        assert r.reason.startswith(f"a decode step of this geometry dispatches moe::{backend}:")
 
 
 def test_host_ple_tables_need_cuda():
