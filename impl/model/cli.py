@@ -135,6 +135,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
                    help="decode steps replay CUDA graphs captured per batch bucket (--device cuda only)")
     e.add_argument("--torch-only", action="store_true",
                    help="dispatch only the variants written in torch (the benchmarks' peer)")
+    e.add_argument("--no-moe-expert-copy", action="store_true",
+                   help="drop the second copy of the routed experts that a large MoE launch of "
+                        "another weight layout reads (explain shows whether one is kept)")
     e.add_argument("--numerics", action="append", default=[], metavar="OP=TIER",
                    help="choose OP's variants from its numerics TIER (e.g. "
                         "gdn_prefill=bf16_operands; default: every op's exact tier); repeatable")
@@ -217,7 +220,8 @@ def _config(args) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
-        torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables)
+        torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
+        moe_expert_copy=not args.no_moe_expert_copy)
 
 
 def _numerics(items: list[str]) -> dict[str, str]:

@@ -38,7 +38,8 @@ import torch
 from impl.model.admission import Request, RequestRejected, admit, validate_request
 from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
-from impl.model.engine_config import EngineConfig, RoutePlan, default_context, route
+from impl.model.engine_config import (EngineConfig, RoutePlan, default_context, engine_memory,
+                                      route)
 from impl.model.graphs import DecodeGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import DTYPE_NAME, Ops
@@ -163,10 +164,9 @@ class Engine:
                                      pinned=config.pinned_variants())
         self.model = Model(weights, self.cfg, Ops(self.dispatcher))
         state_dtype = _DTYPES[config.state_dtype]
-        # Decode graphs pad their rows with a spare slot that no request is given.
-        slots = config.max_batch_size + (1 if config.cuda_graphs else 0)
+        self.memory = engine_memory(config, ctx)   # what the cache below and the expert copy hold
         self.cache = EngineCache.allocate(
-            self.cfg, slots, config.max_seq_len, weights.dtype,
+            self.cfg, config.cache_slots, config.max_seq_len, weights.dtype,
             config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_batch_size)
                        if config.cuda_graphs else None)

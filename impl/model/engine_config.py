@@ -25,6 +25,10 @@ Decisions:
   the arch in the configured mode (batch-invariant mode runs references only, torch_only torch
   compositions only). 'trtllm' and 'cutedsl', the backends of the engine this target comes from, are
   accepted by the type and refused by the rule: no such kernels exist here.
+- ``moe_expert_copy`` (default on) keeps the second copy of the routed experts where the moe variant's
+  large launch reads another weight layout and ``max_num_tokens`` reaches it (impl/model/expert_copy.py;
+  no variant here reads one, so no copy is kept); off drops it. ``explain`` prints the memory the engine
+  holds beside the weights (impl/model/memory.py), the copy counted with the KV pages.
 - Speculation (``speculative``) is MTP with a fixed draft length K in 1..7; ``dynamic_draft_length``
   is accepted by the type and refused by ``static_draft_length``.
 - **Certified for the draft length** (rule ``verify_width_certified``). The ops whose width is the
@@ -58,6 +62,8 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from certify.harness.archs import cuda_arch
+from impl.model.expert_copy import expert_copy
+from impl.model.memory import MemoryPlan, memory_plan
 from certify.catalog.load import Catalog, load_catalog
 from certify.files.paths import project_paths
 from certify.catalog.plan import variants_of_cell
@@ -124,6 +130,9 @@ class EngineConfig(BaseModel):
     # runtime and mapped into the device's address space (impl/model/placement.py); rule
     # ple_host_tables_on_cuda
     ple_tables: PleTables = "device"
+    # keep the second copy of the routed experts where the moe variant's large launch reads another
+    # layout and max_num_tokens reaches it (impl/model/expert_copy.py); off drops it for memory
+    moe_expert_copy: bool = True
     # op -> numerics tier its variants are chosen from (default 'exact'); rule numerics_tier_runs
     numerics: dict[str, str] = Field(default_factory=dict)
 
@@ -137,6 +146,12 @@ class EngineConfig(BaseModel):
 
     def model_geometry(self) -> ModelConfig:
         return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
+
+    @property
+    def cache_slots(self) -> int:
+        """The slots the engine's cache holds: one a request, and with cuda_graphs a spare one
+        that pads decode graphs (impl/model/graphs.py) and no request is given."""
+        return self.max_batch_size + (1 if self.cuda_graphs else 0)
 
     def build_plan(self, ctx: RuleContext | None = None) -> RoutePlan:
         """``route(self)``: the plan, or ``ConfigRefused`` before anything is built."""
@@ -600,6 +615,21 @@ def route(config: EngineConfig, ctx: RuleContext | None = None) -> RoutePlan:
     return RoutePlan(config, ctx.arch, choices)
 
 
+# ---------------------------------------------------------------------------- memory
+
+
+def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
+    """The memory the engine holds beside the weights (impl/model/memory.py), with the second expert
+    copy the configured moe variant needs (impl/model/expert_copy.py)."""
+    moe = ctx.catalog.ops.get(MOE_OP)
+    variant = choose_variant(config, moe, ctx.arch).variant if moe is not None else None
+    copy = expert_copy(variant, config.max_num_tokens, config.moe_expert_copy, ctx.model)
+    return memory_plan(ctx.model, slots=config.cache_slots, max_seq_len=config.max_seq_len,
+                       kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
+                       model_dtype=config.model_dtype, with_mtp=config.speculative is not None,
+                       expert_copy=copy)
+
+
 # ---------------------------------------------------------------------------- explain
 
 
@@ -624,7 +654,7 @@ def _fmt_config(c: EngineConfig) -> str:
             f"max_batch_size={c.max_batch_size} max_num_tokens={c.max_num_tokens} "
             f"max_seq_len={c.max_seq_len} chunked_prefill={c.enable_chunked_prefill} "
             f"block_reuse={c.enable_block_reuse} speculative={spec} "
-            f"batch_invariant={c.batch_invariant}"
+            f"batch_invariant={c.batch_invariant} moe_expert_copy={c.moe_expert_copy}"
             + "".join(f" numerics[{op}]={tier}" for op, tier in sorted(c.numerics.items())))
 
 
@@ -669,4 +699,6 @@ def explain(config: EngineConfig, ctx: RuleContext | None = None,
         how = (f"dispatch at {fixed}" if ch.how == "dispatch" else f"{ch.how}: {ch.note}")
         lines.append(f"  {name}: {ch.variant} ({how}); "
                      f"{_receipt_summary(op, ch.variant, ctx.arch, book)}")
+    lines.append("memory beside the weights:")
+    lines += engine_memory(config, ctx).lines()
     return "\n".join(lines)

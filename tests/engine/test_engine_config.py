@@ -105,6 +105,13 @@ def test_moe_backend_is_the_variant_every_moe_call_runs():
     assert check(with_ref, cpu) == []
 
 
+def test_cli_drops_the_expert_copy(capsys):
+    assert cli.main(["explain", "--preset", "tiny", "--no-moe-expert-copy"]) == 0
+    out = capsys.readouterr().out
+    assert "moe_expert_copy=False" in out and "memory beside the weights:" in out
+    assert cli._config(cli._parser().parse_args(["explain"])).moe_expert_copy is True
+
+
 def test_cuda_graphs_refuse_a_moe_backend_that_reads_the_host():
     gpu = default_context(EngineConfig(device="cuda"), arch="sm_90")
     assert check(EngineConfig(device="cuda", cuda_graphs=True, moe_backend="triton"), gpu) == []
