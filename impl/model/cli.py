@@ -107,6 +107,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     choice("--moe-backend", ec.MoeBackend, "auto",
            "the moe op's variant: triton (grouped GEMMs), torch (the composition) or spec_lowp "
            "(the reference); auto: the dispatch rules' choice")
+    choice("--gdn-commit", ec.GdnCommit, "cached",
+           "how a verify step's GDN state is committed: from the states it recorded after every "
+           "row, or by re-running the accepted rows from the pre-verify state (draft length <= 3)")
     choice("--ple-tables", ec.PleTables, "device",
            "where the PLE tables E and G live: device memory, or host memory mapped into the "
            "device (cuda only)")
@@ -221,7 +224,7 @@ def _config(args) -> EngineConfig:
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
         torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
-        moe_expert_copy=not args.no_moe_expert_copy)
+        moe_expert_copy=not args.no_moe_expert_copy, gdn_commit=args.gdn_commit)
 
 
 def _numerics(items: list[str]) -> dict[str, str]:

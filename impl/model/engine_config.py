@@ -29,6 +29,11 @@ Decisions:
   large launch reads another weight layout and ``max_num_tokens`` reaches it (impl/model/expert_copy.py;
   no variant here reads one, so no copy is kept); off drops it. ``explain`` prints the memory the engine
   holds beside the weights (impl/model/memory.py), the copy counted with the KV pages.
+- ``gdn_commit``: 'cached' (default) commits a verify step's GDN state from the states it recorded
+  after every row; 'recompute' records the rows' recurrence inputs only and re-runs the accepted rows
+  from the pre-verify state at commit (impl/model/model.py), at draft lengths up to
+  ``RECOMPUTE_MAX_DRAFT`` (3), where its replay tests certify it; rule
+  ``gdn_recompute_commit_up_to_draft_3`` refuses it deeper and without speculation.
 - Speculation (``speculative``) is MTP with a fixed draft length K in 1..7; ``dynamic_draft_length``
   is accepted by the type and refused by ``static_draft_length``.
 - **Certified for the draft length** (rule ``verify_width_certified``). The ops whose width is the
@@ -80,6 +85,11 @@ StateDtype = Literal["fp32", "bf16", "fp16"]
 # 'auto' (the dispatch rules' choice), a variant of the op moe, or a backend this project lacks
 MoeBackend = Literal["auto", "triton", "torch", "spec_lowp", "trtllm", "cutedsl"]
 Device = Literal["cpu", "cuda"]
+GdnCommit = Literal["cached", "recompute"]
+
+# gdn_commit 'recompute' runs at draft lengths up to this: the depth its replay tests certify
+# (tests/engine/test_rollback_replay.py, tests/engine/test_engine.py run it at every K up to it)
+RECOMPUTE_MAX_DRAFT = 3
 
 MOE_OP = "moe"   # the op whose variant ``moe_backend`` names
 
@@ -133,6 +143,10 @@ class EngineConfig(BaseModel):
     # keep the second copy of the routed experts where the moe variant's large launch reads another
     # layout and max_num_tokens reaches it (impl/model/expert_copy.py); off drops it for memory
     moe_expert_copy: bool = True
+    # how a verify step's GDN state is committed (impl/model/model.py): from the states the verify
+    # step recorded after each row, or by re-running the accepted rows from the pre-verify state;
+    # rule gdn_recompute_commit_up_to_draft_3
+    gdn_commit: GdnCommit = "cached"
     # op -> numerics tier its variants are chosen from (default 'exact'); rule numerics_tier_runs
     numerics: dict[str, str] = Field(default_factory=dict)
 
@@ -401,6 +415,19 @@ def _verify_width(c: EngineConfig, ctx: RuleContext) -> str | None:
     return "; ".join(problems) or None
 
 
+def _gdn_commit(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.gdn_commit != "recompute":
+        return None
+    if c.speculative is None:
+        return ("gdn_commit 'recompute' re-runs the accepted rows of a verify step at its commit; "
+                "speculation is off, so no step verifies")
+    k = c.speculative.draft_length
+    if k > RECOMPUTE_MAX_DRAFT:
+        return (f"gdn_commit 'recompute' runs at draft length <= {RECOMPUTE_MAX_DRAFT}, the depth "
+                f"its replay tests certify; draft length {k} runs gdn_commit 'cached'")
+    return None
+
+
 def _tokens_per_block(c: EngineConfig, ctx: RuleContext) -> str | None:
     if c.tokens_per_block == TOKENS_PER_BLOCK:
         return None
@@ -550,6 +577,9 @@ RULES: list[Rule] = [
     Rule("verify_width_certified",
          "Every verify-width op's dispatched variant has a certified cell at least as wide as the "
          "draft length needs, with the configured state dtype.", _verify_width),
+    Rule("gdn_recompute_commit_up_to_draft_3",
+         f"gdn_commit 'recompute' (the accepted rows re-run from the pre-verify state at commit) "
+         f"runs with speculation at draft length <= {RECOMPUTE_MAX_DRAFT}.", _gdn_commit),
     Rule("tokens_per_block_is_the_specs",
          f"A KV page holds {TOKENS_PER_BLOCK} tokens, the QSA block of the spec and of every "
          "certified cell.", _tokens_per_block),
@@ -654,7 +684,8 @@ def _fmt_config(c: EngineConfig) -> str:
             f"max_batch_size={c.max_batch_size} max_num_tokens={c.max_num_tokens} "
             f"max_seq_len={c.max_seq_len} chunked_prefill={c.enable_chunked_prefill} "
             f"block_reuse={c.enable_block_reuse} speculative={spec} "
-            f"batch_invariant={c.batch_invariant} moe_expert_copy={c.moe_expert_copy}"
+            f"batch_invariant={c.batch_invariant} moe_expert_copy={c.moe_expert_copy} "
+            f"gdn_commit={c.gdn_commit}"
             + "".join(f" numerics[{op}]={tier}" for op, tier in sorted(c.numerics.items())))
 
 

@@ -227,6 +227,31 @@ def test_tokens_per_block_other_than_the_specs_is_refused(capsys):
     assert "REFUSED by 1 rule(s): tokens_per_block_is_the_specs" in capsys.readouterr().out
 
 
+def test_gdn_recompute_commit_up_to_draft_3():
+    from impl.model.engine_config import RECOMPUTE_MAX_DRAFT
+    assert RECOMPUTE_MAX_DRAFT == 3
+    for k in range(1, 4):
+        assert check(EngineConfig(speculative=spec(k), gdn_commit="recompute")) == []
+    for k in range(4, 8):
+        r = only(EngineConfig(speculative=spec(k), gdn_commit="recompute"))
+        assert r.rule == "gdn_recompute_commit_up_to_draft_3"
+        assert r.reason == (f"gdn_commit 'recompute' runs at draft length <= 3, the depth its replay "
+                            f"tests certify; draft length {k} runs gdn_commit 'cached'")
+        assert check(EngineConfig(speculative=spec(k))) == []   # the cached commit runs it
+    r = only(EngineConfig(gdn_commit="recompute"))
+    assert r.rule == "gdn_recompute_commit_up_to_draft_3"
+    assert r.reason == ("gdn_commit 'recompute' re-runs the accepted rows of a verify step at its "
+                        "commit; speculation is off, so no step verifies")
+
+
+def test_gdn_commit_from_the_cli(capsys):
+    assert cli.main(["explain", "--preset", "tiny", "--draft-length", "3",
+                     "--gdn-commit", "recompute"]) == 0
+    assert "gdn_commit=recompute" in capsys.readouterr().out
+    assert cli.main(["explain", "--draft-length", "4", "--gdn-commit", "recompute"]) == 2
+    assert "REFUSED by 1 rule(s): gdn_recompute_commit_up_to_draft_3" in capsys.readouterr().out
+
+
 def test_token_budget_holds_a_step():
     r = only(EngineConfig(max_batch_size=8, max_num_tokens=31, speculative=spec(3)))
     assert r.rule == "token_budget_holds_a_step"
