@@ -286,6 +286,23 @@ def test_explain_accepted_lists_variant_per_op():
     assert "  gdn_verify: not run (speculation off)" in no_spec
 
 
+def test_explain_names_every_rule_and_the_features_settings():
+    """explain lists every rule with its statement (the MoE backend's, the recomputing GDN
+    commit's and the KV page size's among them), the settings that select the features, the moe
+    variant they run and the expert copy's decision."""
+    c = EngineConfig(model="tiny", speculative=spec(3), gdn_commit="recompute", moe_backend="torch")
+    text = explain(c, receipts={})
+    for rule in RULES:
+        assert f"  [PASS] {rule.name}: {rule.statement}" in text
+    for name in ("moe_backend_supported", "gdn_recompute_commit_up_to_draft_3",
+                 "tokens_per_block_is_the_specs"):
+        assert name in {r.name for r in RULES}
+    for setting in ("moe_backend=torch", "gdn_commit=recompute", "moe_expert_copy=True"):
+        assert setting in text
+    assert "\n  moe: torch (dispatch at" in text
+    assert "\n  second expert copy: 0.000 GiB (none: moe runs torch" in text
+
+
 def test_explain_refused_names_rules():
     text = explain(EngineConfig(state_dtype="fp16"), receipts={})
     assert "REFUSED by 1 rule(s): state_dtype_supported" in text
