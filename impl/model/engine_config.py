@@ -67,13 +67,13 @@ from typing import Callable, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from certify.harness.archs import cuda_arch
-from impl.model.expert_copy import expert_copy
-from impl.model.memory import MemoryPlan, memory_plan
 from certify.catalog.load import Catalog, load_catalog
 from certify.files.paths import project_paths
 from certify.catalog.plan import variants_of_cell
 from certify.catalog.rules import RuleError, evaluate
 from certify.catalog.schema import EXACT, Cell, OpFile, Variant
+from impl.model.expert_copy import expert_copy
+from impl.model.memory import MemoryPlan, memory_plan
 from spec.config import ModelConfig
 from spec.ops.qsa import TOKENS_PER_BLOCK
 

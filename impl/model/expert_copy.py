@@ -48,8 +48,8 @@ class LargeLaunch:
         return -(-self.pairs_per_expert * model.num_experts // model.moe_top_k)
 
 
-# triton's bm64 regime (triton_moe.ROWS_PER_EXPERT_FOR_BM64; tests/engine/test_expert_copy.py holds
-# the two equal): the checkpoint's codes and block scales, 0.5 + 1/16 bytes a weight.
+# triton's bm64 regime (triton_moe.ROWS_PER_EXPERT_FOR_BM64; tests/engine/test_memory.py holds the
+# two equal): the checkpoint's codes and block scales, 0.5 + 1/16 bytes a weight.
 LARGE_LAUNCHES: tuple[LargeLaunch, ...] = (
     LargeLaunch("triton", 8, CHECKPOINT_LAYOUT, 0.5 + 1 / 16),
 )

@@ -43,9 +43,9 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 def uncapturable_calls(config, ctx) -> list[str]:
     """The ``op::variant`` pairs a decode step of ``config.max_batch_size`` rows (at its
     ``max_seq_len``) dispatches on ``ctx.arch`` that a graph cannot capture: reference variants
-    outside ``CAPTURABLE_REFERENCES`` and the ``HOST_READING_KERNELS``. Traced on meta weights of the served geometry
-    (impl/model/trace.py), so the rule ``cuda_graphs_capture_decode_on_cuda`` refuses before
-    anything is built."""
+    outside ``CAPTURABLE_REFERENCES`` and the ``HOST_READING_KERNELS``. Traced on meta weights of
+    the served geometry (impl/model/trace.py), so the rule ``cuda_graphs_capture_decode_on_cuda``
+    refuses before anything is built."""
     from impl.model.dispatch import Dispatcher  # noqa: PLC0415
     from impl.model.ops import KV_CODEC_OPS  # noqa: PLC0415
     from impl.model.trace import Requests, Scenario, forward_calls  # noqa: PLC0415

@@ -70,4 +70,3 @@ def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: s
         + model.gdn_conv_channels * (model.gdn_conv_kernel - 1) * act)
     ple = slots * 2 * _INT64
     return MemoryPlan(pages, kv, gdn + ple, expert_copy)
-

@@ -14,9 +14,11 @@ The GDN commit (``gdn_commit``, EngineConfig.gdn_commit):
 - ``recompute``: the verify step leaves the pool at the pre-verify state and records the rows'
   recurrence inputs (q, k, v, a, b, z after the conv); commit re-runs the accepted rows' recurrence
   from the pool, one ``gdn_decode`` launch a row over the requests that accepted it. The record holds
-  the rows' inputs only (33 KB a row and layer at the target against a 3.1 MB fp32 state), and commit
-  pays up to K + 1 decode launches a layer. The spec stores the state after every row in its storage
-  dtype exactly as K + 1 decode steps do (spec/model.py), so both give the same state.
+  views of the rows' projections (about 50 KB a row and layer at the target, against a 3.1 MB fp32
+  state); ``gdn_verify`` still computes every row's state for its outputs, one layer at a time, and
+  none is kept. Commit pays up to K + 1 decode launches a layer. The spec stores the state after
+  every row in its storage dtype exactly as K + 1 decode steps do (spec/model.py), so both commits
+  give the same state.
 The conv window is a slice of the inputs either way: the verify step records it after every row.
 
 A step is a list of ``Span``s, one per request: the request's slot, its rows in the step, the position
