@@ -104,7 +104,12 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     choice("--model-dtype", ec.ModelDtype, "bf16", "weights and activations")
     choice("--kv-dtype", ec.KvCacheDtype, "bf16", "paged K/V storage")
     choice("--state-dtype", ec.StateDtype, "fp32", "GDN recurrent-state pool")
-    choice("--moe-backend", ec.MoeBackend, "torch", "routed-expert kernels")
+    choice("--moe-backend", ec.MoeBackend, "auto",
+           "the moe op's variant: triton (grouped GEMMs), torch (the composition) or spec_lowp "
+           "(the reference); auto: the dispatch rules' choice")
+    choice("--gdn-commit", ec.GdnCommit, "cached",
+           "how a verify step's GDN state is committed: from the states it recorded after every "
+           "row, or by re-running the accepted rows from the pre-verify state (draft length <= 3)")
     choice("--ple-tables", ec.PleTables, "device",
            "where the PLE tables E and G live: device memory, or host memory mapped into the "
            "device (cuda only)")
@@ -133,6 +138,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
                    help="decode steps replay CUDA graphs captured per batch bucket (--device cuda only)")
     e.add_argument("--torch-only", action="store_true",
                    help="dispatch only the variants written in torch (the benchmarks' peer)")
+    e.add_argument("--no-moe-expert-copy", action="store_true",
+                   help="drop the second copy of the routed experts that a large MoE launch of "
+                        "another weight layout reads (explain shows whether one is kept)")
     e.add_argument("--numerics", action="append", default=[], metavar="OP=TIER",
                    help="choose OP's variants from its numerics TIER (e.g. "
                         "gdn_prefill=bf16_operands; default: every op's exact tier); repeatable")
@@ -215,7 +223,8 @@ def _config(args) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
-        torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables)
+        torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
+        moe_expert_copy=not args.no_moe_expert_copy, gdn_commit=args.gdn_commit)
 
 
 def _numerics(items: list[str]) -> dict[str, str]:

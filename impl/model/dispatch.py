@@ -11,6 +11,9 @@ Numerics tiers: the choice is made among the variants of the op's configured tie
 (``numerics``: op -> tier, default 'exact'), so a variant certified against one tier's bands never
 stands in for another's.
 
+A configuration may name the variant of an op (``pinned``: op -> variant, e.g. the MoE backend): that
+variant is then the op's only candidate, and its rule must still accept each call.
+
 Batch-invariant mode restricts the choice to the ops' reference variants (``impl: spec``, the spec's
 own low-precision path): docs/spec.md, "Batch invariance" states the spec path is batch-invariant by
 construction (row-wise math with a fixed reduction order), so in that mode a row's result cannot depend
@@ -67,12 +70,14 @@ class Dispatcher:
     """Chooses each op call's variant from the catalog; counts and optionally traces the choices."""
 
     def __init__(self, catalog: Catalog, arch: str, *, batch_invariant: bool = False,
-                 torch_only: bool = False, numerics: Mapping[str, str] | None = None):
+                 torch_only: bool = False, numerics: Mapping[str, str] | None = None,
+                 pinned: Mapping[str, str] | None = None):
         self.catalog = catalog
         self.arch = arch
         self.batch_invariant = batch_invariant
         self.torch_only = torch_only
         self.numerics = dict(numerics or {})  # op -> tier (default: exact)
+        self.pinned = dict(pinned or {})      # op -> the one variant it may run
         self.ran: Counter[tuple[str, str]] = Counter()
         self.trace: list[OpCall] | None = None
         self._impls: dict[tuple[str, str], Callable] = {}
@@ -103,6 +108,8 @@ class Dispatcher:
             # the torch compositions first, the references only where an op has none
             runnable = sorted((v for v in runnable if is_torch_variant(v)),
                               key=lambda v: v.impl == "spec")
+        if name in self.pinned:
+            runnable = [v for v in runnable if v.name == self.pinned[name]]
         return runnable
 
     def choose(self, name: str, **axes: Any) -> Variant:
@@ -115,7 +122,8 @@ class Dispatcher:
             mode = " in batch-invariant mode (no reference variant)" if self.batch_invariant else ""
             tier = self.numerics.get(name, EXACT)
             of = f" of its {tier} tier" if tier != EXACT else ""
-            raise DispatchError(f"{name}: no variant{of} runs on {self.arch}{mode}")
+            pin = f" (the configuration names {self.pinned[name]!r})" if name in self.pinned else ""
+            raise DispatchError(f"{name}: no variant{of} runs on {self.arch}{mode}{pin}")
         for variant in runnable:
             try:
                 accepted = evaluate(variant.dispatch, own)

@@ -16,9 +16,9 @@ Scheduling (deterministic: the same requests give the same steps):
   verifying requests wait, so every verify step has the shape the verify cells certify.
 - After a context chunk the draft layer reads the chunk's rows (h_t, x_{t+1}); at the end of a
   prompt it drafts d_1..d_K. After a verify step: greedy acceptance (``greedy_verify``), commit of the
-  accepted row (``rollback_commit``: GDN state, conv window, PLE history; the KV, index and block-key
-  planes truncated), the draft layer's speculative rows rolled back, then it reads the accepted rows
-  and drafts again.
+  accepted row (``Model.commit_gdn``: GDN state and conv window, by ``EngineConfig.gdn_commit``;
+  ``rollback_commit``: PLE history; the KV, index and block-key planes truncated), the draft layer's
+  speculative rows rolled back, then it reads the accepted rows and drafts again.
 
 With ``cuda_graphs`` a decode step (every row a decode row) replays a captured graph of its batch
 bucket (impl/model/graphs.py); other steps run eagerly.
@@ -38,10 +38,11 @@ import torch
 from impl.model.admission import Request, RequestRejected, admit, validate_request
 from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
-from impl.model.engine_config import EngineConfig, RoutePlan, default_context, route
+from impl.model.engine_config import (EngineConfig, RoutePlan, default_context, engine_memory,
+                                      route)
 from impl.model.graphs import DecodeGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
-from impl.model.ops import DTYPE_NAME, Ops
+from impl.model.ops import Ops
 from impl.model.placement import HostMapped, with_host_ple_tables
 from spec.config import ModelConfig
 from spec.model import Weights
@@ -159,13 +160,13 @@ class Engine:
         if self.k and weights.mtp is None:
             raise ValueError("speculation needs the MTP draft layer's weights")
         self.dispatcher = Dispatcher(ctx.catalog, arch, batch_invariant=config.batch_invariant,
-                                     torch_only=config.torch_only, numerics=config.numerics)
-        self.model = Model(weights, self.cfg, Ops(self.dispatcher))
+                                     torch_only=config.torch_only, numerics=config.numerics,
+                                     pinned=config.pinned_variants())
+        self.model = Model(weights, self.cfg, Ops(self.dispatcher), gdn_commit=config.gdn_commit)
         state_dtype = _DTYPES[config.state_dtype]
-        # Decode graphs pad their rows with a spare slot that no request is given.
-        slots = config.max_batch_size + (1 if config.cuda_graphs else 0)
+        self.memory = engine_memory(config, ctx)   # what the cache below and the expert copy hold
         self.cache = EngineCache.allocate(
-            self.cfg, slots, config.max_seq_len, weights.dtype,
+            self.cfg, config.cache_slots, config.max_seq_len, weights.dtype,
             config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
         self.graphs = (DecodeGraphs(self.model, self.cache, config.max_batch_size)
                        if config.cuda_graphs else None)
@@ -292,8 +293,9 @@ class Engine:
 
     def verify_pass(self, drafts: dict[str, list[int]]) -> VerifyPass:
         """One verify pass over the named requests (arrival order): rows [pending, *drafts], all of
-        the same length; no acceptance, no commit. For replay tests: the trunk state afterwards holds
-        every row, as a step holds it before its commit."""
+        the same length; no acceptance, no commit. For replay tests: the trunk state afterwards is
+        what a step holds before its commit (the planes hold every row; the GDN pool the last row's
+        state with the cached GDN commit, the pre-verify state with the recomputing one)."""
         seqs = sorted((self.sequence(rid) for rid in drafts), key=lambda s: s.arrival)
         widths = {len(drafts[s.request.request_id]) for s in seqs}
         if len(widths) != 1:
@@ -393,17 +395,7 @@ class Engine:
         """Keep row num_accepted - 1 of every verified request (docs/spec.md, "Rollback / commit")."""
         rec = out.record
         slots = [seq.slot for seq, _, _ in plan]
-        for li, layer in enumerate(self.cache.layers):
-            if isinstance(layer, GDNPool):
-                states = torch.stack([rec.states[li][s] for s in slots])
-                windows = torch.stack([rec.windows[li][s] for s in slots])
-                kept = self.model.ops.rollback_commit(
-                    {"gdn_state": states, "conv_window": windows}, num_accepted,
-                    state_dtype=DTYPE_NAME[layer.state.dtype], value_heads=states.shape[2],
-                    head_dim=states.shape[-1], conv_channels=windows.shape[2])
-                idx = torch.tensor(slots, device=layer.state.device)
-                layer.state[idx] = kept["gdn_state"].to(layer.state.dtype)
-                layer.conv[idx] = kept["conv_window"].to(layer.conv.dtype)
+        self.model.commit_gdn(rec, self.cache, slots, num_accepted)
         hist = self.model.ops.rollback_commit(
             {"h": torch.stack([rec.ple_history[s] for s in slots])}, num_accepted)
         for r, (seq, _, _) in enumerate(plan):

@@ -17,9 +17,23 @@ Decisions:
   ``state_dtype`` accepts 'fp16', so that their rules refuse them with their own message rather than a
   type error. ``model_dtype`` accepts 'bf16' | 'fp16' | 'fp32'; only bf16 (every ``act_dtype`` axis of
   the catalog) is supported.
-- ``moe_backend``: 'torch' (the spec composition, the only MoE path this project has: the moe cells'
-  only variant is the spec's own low-precision path) is supported; 'trtllm' and 'cutedsl' are accepted by
-  the type and refused by ``moe_backend_supported`` (no such kernels exist here).
+- ``moe_backend`` names the variant of the op ``moe`` the engine runs (the catalog's variants: triton,
+  the grouped GEMMs of impl/kernels/moe/triton_moe.py; torch, the composition of torch_moe.py;
+  spec_lowp, the reference), or 'auto': the variant the dispatch rules choose, in file order. A named
+  variant is the only candidate of every moe call (``pinned_variants``, read by the ``Dispatcher``); rule
+  ``moe_backend_supported`` refuses a name that is not a variant of moe, or whose variant cannot run on
+  the arch in the configured mode (batch-invariant mode runs references only, torch_only torch
+  compositions only). 'trtllm' and 'cutedsl', the backends of the engine this target comes from, are
+  accepted by the type and refused by the rule: no such kernels exist here.
+- ``moe_expert_copy`` (default on) keeps the second copy of the routed experts where the moe variant's
+  large launch reads another weight layout and ``max_num_tokens`` reaches it (impl/model/expert_copy.py;
+  no variant here reads one, so no copy is kept); off drops it. ``explain`` prints the memory the engine
+  holds beside the weights (impl/model/memory.py), the copy counted with the KV pages.
+- ``gdn_commit``: 'cached' (default) commits a verify step's GDN state from the states it recorded
+  after every row; 'recompute' records the rows' recurrence inputs only and re-runs the accepted rows
+  from the pre-verify state at commit (impl/model/model.py), at draft lengths up to
+  ``RECOMPUTE_MAX_DRAFT`` (3), where its replay tests certify it; rule
+  ``gdn_recompute_commit_up_to_draft_3`` refuses it deeper and without speculation.
 - Speculation (``speculative``) is MTP with a fixed draft length K in 1..7; ``dynamic_draft_length``
   is accepted by the type and refused by ``static_draft_length``.
 - **Certified for the draft length** (rule ``verify_width_certified``). The ops whose width is the
@@ -58,6 +72,8 @@ from certify.files.paths import project_paths
 from certify.catalog.plan import variants_of_cell
 from certify.catalog.rules import RuleError, evaluate
 from certify.catalog.schema import EXACT, Cell, OpFile, Variant
+from impl.model.expert_copy import expert_copy
+from impl.model.memory import MemoryPlan, memory_plan
 from spec.config import ModelConfig
 from spec.ops.qsa import TOKENS_PER_BLOCK
 
@@ -66,10 +82,16 @@ PleTables = Literal["device", "host"]
 ModelDtype = Literal["bf16", "fp16", "fp32"]
 KvCacheDtype = Literal["bf16", "fp8", "nvfp4", "fp16", "int8"]
 StateDtype = Literal["fp32", "bf16", "fp16"]
-MoeBackend = Literal["torch", "trtllm", "cutedsl"]
+# 'auto' (the dispatch rules' choice), a variant of the op moe, or a backend this project lacks
+MoeBackend = Literal["auto", "triton", "torch", "spec_lowp", "trtllm", "cutedsl"]
 Device = Literal["cpu", "cuda"]
+GdnCommit = Literal["cached", "recompute"]
 
-SUPPORTED_MOE_BACKENDS = ("torch",)
+# gdn_commit 'recompute' runs at draft lengths up to this: the depth its replay tests certify
+# (tests/engine/test_rollback_replay.py, tests/engine/test_engine.py run it at every K up to it)
+RECOMPUTE_MAX_DRAFT = 3
+
+MOE_OP = "moe"   # the op whose variant ``moe_backend`` names
 
 # config dtype name -> the catalog's axis value
 _CATALOG_DTYPE = {"bf16": "bfloat16", "fp32": "float32", "fp16": "float16", "fp8": "fp8",
@@ -103,7 +125,7 @@ class EngineConfig(BaseModel):
     model_dtype: ModelDtype = "bf16"
     kv_cache_dtype: KvCacheDtype = "bf16"
     state_dtype: StateDtype = "fp32"
-    moe_backend: MoeBackend = "torch"
+    moe_backend: MoeBackend = "auto"   # rule moe_backend_supported
     max_batch_size: int = Field(8, ge=1)
     max_num_tokens: int = Field(8192, ge=1)
     max_seq_len: int = Field(131072, ge=1)
@@ -118,14 +140,32 @@ class EngineConfig(BaseModel):
     # runtime and mapped into the device's address space (impl/model/placement.py); rule
     # ple_host_tables_on_cuda
     ple_tables: PleTables = "device"
+    # keep the second copy of the routed experts where the moe variant's large launch reads another
+    # layout and max_num_tokens reaches it (impl/model/expert_copy.py); off drops it for memory
+    moe_expert_copy: bool = True
+    # how a verify step's GDN state is committed (impl/model/model.py): from the states the verify
+    # step recorded after each row, or by re-running the accepted rows from the pre-verify state;
+    # rule gdn_recompute_commit_up_to_draft_3
+    gdn_commit: GdnCommit = "cached"
     # op -> numerics tier its variants are chosen from (default 'exact'); rule numerics_tier_runs
     numerics: dict[str, str] = Field(default_factory=dict)
 
     def tier_of(self, op: str) -> str:
         return self.numerics.get(op, EXACT)
 
+    def pinned_variants(self) -> dict[str, str]:
+        """op -> the variant the configuration names for it (``moe_backend``); every other op's
+        variant is its dispatch rules' choice."""
+        return {} if self.moe_backend == "auto" else {MOE_OP: self.moe_backend}
+
     def model_geometry(self) -> ModelConfig:
         return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
+
+    @property
+    def cache_slots(self) -> int:
+        """The slots the engine's cache holds: one a request, and with cuda_graphs a spare one
+        that pads decode graphs (impl/model/graphs.py) and no request is given."""
+        return self.max_batch_size + (1 if self.cuda_graphs else 0)
 
     def build_plan(self, ctx: RuleContext | None = None) -> RoutePlan:
         """``route(self)``: the plan, or ``ConfigRefused`` before anything is built."""
@@ -209,10 +249,25 @@ def _model_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 
 def _moe_backend(c: EngineConfig, ctx: RuleContext) -> str | None:
-    if c.moe_backend in SUPPORTED_MOE_BACKENDS:
+    from certify.harness.archs import runtime_arch
+    from certify.harness.requirements import missing
+
+    name = c.pinned_variants().get(MOE_OP)
+    op = ctx.catalog.ops.get(MOE_OP)
+    if name is None or op is None:   # 'auto'; a catalog without moe fails ops_run_on_the_arch
         return None
-    return (f"moe_backend {c.moe_backend!r} has no kernels in this project; "
-            f"supported: {list(SUPPORTED_MOE_BACKENDS)}")
+    names = [v.name for v in op.variants]
+    if name not in names:
+        return (f"moe_backend {name!r} is not a variant of {MOE_OP} (its variants: "
+                f"{', '.join(names)}; 'auto' lets their dispatch rules choose)")
+    variant = op.variant(name)
+    why = why_not_runnable(c, variant, ctx.arch, c.tier_of(MOE_OP))
+    if why is not None:
+        return f"moe_backend {name!r}: {MOE_OP}'s variant {name!r} cannot run: {why}"
+    if ctx.arch == runtime_arch() and missing(variant):
+        return (f"moe_backend {name!r}: {MOE_OP}'s variant {name!r} needs "
+                f"{', '.join(missing(variant))}, not installed")
+    return None
 
 
 def _state_dtype(c: EngineConfig, ctx: RuleContext) -> str | None:
@@ -269,16 +324,31 @@ class Choice:
     note: str = ""
 
 
+def why_not_runnable(c: EngineConfig, v: Variant, arch: str, tier: str) -> str | None:
+    """Why the configuration may not run variant ``v`` on ``arch`` at numerics ``tier`` (None: it
+    may): another tier, another arch, a kernel in batch-invariant mode, a kernel not written in
+    torch with torch_only."""
+    from impl.model.dispatch import is_torch_variant
+
+    if v.numerics != tier:
+        return f"it claims the {v.numerics} numerics tier, the configuration asks {tier}"
+    if arch not in v.archs:
+        return f"it runs on {', '.join(v.archs)}, not on {arch}"
+    if c.batch_invariant and v.impl != "spec":
+        return "batch-invariant mode runs reference variants (impl: spec) only"
+    if c.torch_only and not is_torch_variant(v):
+        return "torch_only runs the variants written in torch only"
+    return None
+
+
 def runnable_variants(c: EngineConfig, op: OpFile, arch: str, tier: str) -> list[Variant]:
     """The variants of ``op``'s ``tier`` the configuration may run on ``arch``, in file order: in
     batch-invariant mode its references only; with torch_only those written in torch only, the
-    torch compositions before the references (``Dispatcher.candidates``)."""
-    from impl.model.dispatch import is_torch_variant
-
-    runnable = [v for v in op.variants
-                if v.numerics == tier and arch in v.archs
-                and (v.impl == "spec" or not c.batch_invariant)
-                and (is_torch_variant(v) or not c.torch_only)]
+    torch compositions before the references (``Dispatcher.candidates``); an op the configuration
+    names a variant of (``pinned_variants``) that variant only."""
+    pinned = c.pinned_variants().get(op.op)
+    runnable = [v for v in op.variants if why_not_runnable(c, v, arch, tier) is None
+                and (pinned is None or v.name == pinned)]
     return sorted(runnable, key=lambda v: c.torch_only and v.impl == "spec")
 
 
@@ -345,6 +415,19 @@ def _verify_width(c: EngineConfig, ctx: RuleContext) -> str | None:
     return "; ".join(problems) or None
 
 
+def _gdn_commit(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.gdn_commit != "recompute":
+        return None
+    if c.speculative is None:
+        return ("gdn_commit 'recompute' re-runs the accepted rows of a verify step at its commit; "
+                "speculation is off, so no step verifies")
+    k = c.speculative.draft_length
+    if k > RECOMPUTE_MAX_DRAFT:
+        return (f"gdn_commit 'recompute' runs at draft length <= {RECOMPUTE_MAX_DRAFT}, the depth "
+                f"its replay tests certify; draft length {k} runs gdn_commit 'cached'")
+    return None
+
+
 def _tokens_per_block(c: EngineConfig, ctx: RuleContext) -> str | None:
     if c.tokens_per_block == TOKENS_PER_BLOCK:
         return None
@@ -397,6 +480,7 @@ def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
     names += [KV_CODEC_OPS[c.kv_cache_dtype]] if c.kv_cache_dtype in KV_CODEC_OPS else []
     if c.speculative is not None:  # the verify-width ops have their own rule
         names += [n for n in SPECULATION_OPS if n not in VERIFY_WIDTH_OPS]
+    names = [n for n in names if n not in c.pinned_variants()]  # moe_backend_supported's
     missing = [n for n in names if n in ctx.catalog.ops
                and choose_variant(c, ctx.catalog.ops[n], ctx.arch).variant is None]
     missing += [n for n in names if n not in ctx.catalog.ops]
@@ -448,8 +532,9 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
 
     bad = uncapturable_calls(c, ctx)
     if bad:
-        return (f"a decode step of this geometry dispatches {', '.join(bad)}: reference variants "
-                "read values on the host, which a CUDA graph cannot capture")
+        return (f"a decode step of this geometry dispatches {', '.join(bad)}: variants that read "
+                "values on the host (references, HOST_READING_KERNELS), which a CUDA graph cannot "
+                "capture")
     return None
 
 
@@ -478,7 +563,8 @@ RULES: list[Rule] = [
     Rule("model_dtype_supported",
          "The model dtype is a value of every act_dtype axis in the catalog.", _model_dtype),
     Rule("moe_backend_supported",
-         "The MoE backend is one this project implements (torch).", _moe_backend),
+         "The MoE backend is 'auto' or a variant of the op moe that runs on the arch in the "
+         "configured mode.", _moe_backend),
     Rule("state_dtype_supported",
          "The recurrent-state dtype is fp32 or bf16 and a value of every state_dtype axis; fp16 is "
          "refused.", _state_dtype),
@@ -491,6 +577,9 @@ RULES: list[Rule] = [
     Rule("verify_width_certified",
          "Every verify-width op's dispatched variant has a certified cell at least as wide as the "
          "draft length needs, with the configured state dtype.", _verify_width),
+    Rule("gdn_recompute_commit_up_to_draft_3",
+         f"gdn_commit 'recompute' (the accepted rows re-run from the pre-verify state at commit) "
+         f"runs with speculation at draft length <= {RECOMPUTE_MAX_DRAFT}.", _gdn_commit),
     Rule("tokens_per_block_is_the_specs",
          f"A KV page holds {TOKENS_PER_BLOCK} tokens, the QSA block of the spec and of every "
          "certified cell.", _tokens_per_block),
@@ -556,6 +645,21 @@ def route(config: EngineConfig, ctx: RuleContext | None = None) -> RoutePlan:
     return RoutePlan(config, ctx.arch, choices)
 
 
+# ---------------------------------------------------------------------------- memory
+
+
+def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
+    """The memory the engine holds beside the weights (impl/model/memory.py), with the second expert
+    copy the configured moe variant needs (impl/model/expert_copy.py)."""
+    moe = ctx.catalog.ops.get(MOE_OP)
+    variant = choose_variant(config, moe, ctx.arch).variant if moe is not None else None
+    copy = expert_copy(variant, config.max_num_tokens, config.moe_expert_copy, ctx.model)
+    return memory_plan(ctx.model, slots=config.cache_slots, max_seq_len=config.max_seq_len,
+                       kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
+                       model_dtype=config.model_dtype, with_mtp=config.speculative is not None,
+                       expert_copy=copy)
+
+
 # ---------------------------------------------------------------------------- explain
 
 
@@ -580,7 +684,8 @@ def _fmt_config(c: EngineConfig) -> str:
             f"max_batch_size={c.max_batch_size} max_num_tokens={c.max_num_tokens} "
             f"max_seq_len={c.max_seq_len} chunked_prefill={c.enable_chunked_prefill} "
             f"block_reuse={c.enable_block_reuse} speculative={spec} "
-            f"batch_invariant={c.batch_invariant}"
+            f"batch_invariant={c.batch_invariant} moe_expert_copy={c.moe_expert_copy} "
+            f"gdn_commit={c.gdn_commit}"
             + "".join(f" numerics[{op}]={tier}" for op, tier in sorted(c.numerics.items())))
 
 
@@ -625,4 +730,6 @@ def explain(config: EngineConfig, ctx: RuleContext | None = None,
         how = (f"dispatch at {fixed}" if ch.how == "dispatch" else f"{ch.how}: {ch.note}")
         lines.append(f"  {name}: {ch.variant} ({how}); "
                      f"{_receipt_summary(op, ch.variant, ctx.arch, book)}")
+    lines.append("memory beside the weights:")
+    lines += engine_memory(config, ctx).lines()
     return "\n".join(lines)

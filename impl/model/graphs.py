@@ -33,6 +33,9 @@ from impl.model.model import Model, Span, StepOutput, StepRows
 
 # Reference variants a decode step may capture: tensor ops only, no value read on the host.
 CAPTURABLE_REFERENCES = frozenset({"rmsnorm"})
+# Kernel variants (op::variant) that read values on the host, which a graph cannot capture: the torch
+# MoE composition loops over the experts a call selects.
+HOST_READING_KERNELS = frozenset({"moe::torch"})
 MIN_WIDTH = 8                         # blocks (256 tokens): the narrowest table a graph reads
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
@@ -40,9 +43,9 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 def uncapturable_calls(config, ctx) -> list[str]:
     """The ``op::variant`` pairs a decode step of ``config.max_batch_size`` rows (at its
     ``max_seq_len``) dispatches on ``ctx.arch`` that a graph cannot capture: reference variants
-    outside ``CAPTURABLE_REFERENCES``. Traced on meta weights of the served geometry
-    (impl/model/trace.py), so the rule ``cuda_graphs_capture_decode_on_cuda`` refuses before
-    anything is built."""
+    outside ``CAPTURABLE_REFERENCES`` and the ``HOST_READING_KERNELS``. Traced on meta weights of
+    the served geometry (impl/model/trace.py), so the rule ``cuda_graphs_capture_decode_on_cuda``
+    refuses before anything is built."""
     from impl.model.dispatch import Dispatcher  # noqa: PLC0415
     from impl.model.ops import KV_CODEC_OPS  # noqa: PLC0415
     from impl.model.trace import Requests, Scenario, forward_calls  # noqa: PLC0415
@@ -53,7 +56,8 @@ def uncapturable_calls(config, ctx) -> list[str]:
                     decode=(Requests(requests=config.max_batch_size, context=config.max_seq_len),),
                     kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
                     max_num_tokens=max(config.max_batch_size, 1))
-    d = Dispatcher(ctx.catalog, ctx.arch, numerics=config.numerics)
+    d = Dispatcher(ctx.catalog, ctx.arch, numerics=config.numerics,
+                   pinned=config.pinned_variants())
     calls = forward_calls(step, ctx.catalog, ctx.model, weights)
     chosen = [(call.op, d.choose(call.op, **dict(call.axes))) for call in calls]
     # The trace runs the reference KV append, which calls the codec ops; a kernel append
@@ -62,8 +66,9 @@ def uncapturable_calls(config, ctx) -> list[str]:
     bad = []
     for op, variant in chosen:
         name = f"{op}::{variant.name}"
-        if (variant.impl == "spec" and op not in CAPTURABLE_REFERENCES and name not in bad
-                and not (kernel_append and op in KV_CODEC_OPS.values())):
+        reference = (variant.impl == "spec" and op not in CAPTURABLE_REFERENCES
+                     and not (kernel_append and op in KV_CODEC_OPS.values()))
+        if (reference or name in HOST_READING_KERNELS) and name not in bad:
             bad.append(name)
     return bad
 

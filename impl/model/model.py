@@ -4,7 +4,22 @@ It computes what spec/model.py computes (the assembly of docs/spec.md, the same 
 the mixer's HC site, the GDN path chosen per request, verify rows decoded one at a time in the state's storage
 dtype), but over the engine's state: paged planes addressed through the engine's block table, the GDN
 state pool and conv windows indexed by slot, and every op dispatched through the catalog's variant
-rules. A verify step also returns what commit needs to roll back (``VerifyRecord``).
+rules. A verify step also returns what commit needs to roll back (``VerifyRecord``), and ``commit_gdn``
+commits its GDN layers.
+
+The GDN commit (``gdn_commit``, EngineConfig.gdn_commit):
+- ``cached`` (the default): the verify step records the state after each of its rows (``gdn_verify``'s
+  ``states``) and writes the last row's to the pool; commit copies the accepted row's state
+  (``rollback_commit``). The record holds K + 1 states a request and GDN layer.
+- ``recompute``: the verify step leaves the pool at the pre-verify state and records the rows'
+  recurrence inputs (q, k, v, a, b, z after the conv); commit re-runs the accepted rows' recurrence
+  from the pool, one ``gdn_decode`` launch a row over the requests that accepted it. The record holds
+  views of the rows' projections (about 50 KB a row and layer at the target, against a 3.1 MB fp32
+  state); ``gdn_verify`` still computes every row's state for its outputs, one layer at a time, and
+  none is kept. Commit pays up to K + 1 decode launches a layer. The spec stores the state after
+  every row in its storage dtype exactly as K + 1 decode steps do (spec/model.py), so both commits
+  give the same state.
+The conv window is a slice of the inputs either way: the verify step records it after every row.
 
 A step is a list of ``Span``s, one per request: the request's slot, its rows in the step, the position
 of its first row and its GDN mode (decode: one row; prefill: a chunk of a prompt; verify: K+1 rows).
@@ -83,12 +98,27 @@ def step_kind(spans: list[Span]) -> str:
             else "prefill" if modes == {"prefill"} else "mixed")
 
 
+@dataclass(frozen=True)
+class GdnRows:
+    """One request's verify rows as one GDN layer's recurrence reads them: q, k [T, HK, K]; v, z
+    [T, HV, V]; a, b [T, HV]."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    a: torch.Tensor
+    b: torch.Tensor
+    z: torch.Tensor
+
+
 @dataclass
 class VerifyRecord:
-    """What a verify step leaves for commit, per request (slot): the GDN state and conv window after
-    each of its rows (per GDN layer), and the PLE history after each row."""
+    """What a verify step leaves for commit, per request (slot) and GDN layer: the conv window after
+    each of its rows; with the cached GDN commit the state after each row, with the recomputing one
+    the rows' recurrence inputs; and the PLE history after each row."""
 
     states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)   # layer -> slot -> [T, ...]
+    inputs: dict[int, dict[int, GdnRows]] = field(default_factory=dict)       # layer -> slot -> rows
     windows: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> slot -> [T, ch, 3]
     ple_history: dict[int, torch.Tensor] = field(default_factory=dict)         # slot -> [T, 2]
 
@@ -121,10 +151,11 @@ class StepOutput:
 class Model:
     """The forward of the trunk and the draft layer for one set of weights."""
 
-    def __init__(self, weights: Weights, cfg: ModelConfig, ops: Ops):
+    def __init__(self, weights: Weights, cfg: ModelConfig, ops: Ops, gdn_commit: str = "cached"):
         self.w = weights
         self.cfg = cfg
         self.ops = ops
+        self.gdn_commit = gdn_commit   # "cached" | "recompute" (module doc)
         self.act = weights.dtype
         gdn = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_d_k
         self.gdn_geometry = dict(key_heads=gdn[0], value_heads=gdn[1], head_dim=gdn[2])
@@ -216,12 +247,19 @@ class Model:
                                        slots.to(dev))
             out[idx] = o.reshape(Bv * T, hv, dv)
             # Provisionally keep every row (all accepted); commit rolls back to the accepted one.
-            pool.state[slots.to(dev)] = states[:, -1].to(pool.state.dtype)
+            # The recomputing commit re-runs the accepted rows from the pre-verify state instead.
+            if self.gdn_commit == "cached":
+                pool.state[slots.to(dev)] = states[:, -1].to(pool.state.dtype)
             pool.conv[slots.to(dev)] = conv
             if record is not None:
                 hist = torch.cat([old_window, x.transpose(1, 2)], dim=2)  # [Bv, ch, 3 + T]
                 k_hist = old_window.shape[-1]
-                record.states[li] = {sp.slot: states[j] for j, sp in enumerate(verify)}
+                if self.gdn_commit == "cached":
+                    record.states[li] = {sp.slot: states[j] for j, sp in enumerate(verify)}
+                else:
+                    rows_of = [shape(t) for t in (q, k, v, a[idx], b[idx], z[idx])]
+                    record.inputs[li] = {sp.slot: GdnRows(*(t[j] for t in rows_of))
+                                         for j, sp in enumerate(verify)}
                 record.windows[li] = {
                     sp.slot: torch.stack([hist[j, :, i + 1:i + 1 + k_hist] for i in range(T)])
                     for j, sp in enumerate(verify)}
@@ -238,6 +276,42 @@ class Model:
             pool.state[s] = final.to(pool.state.dtype)
             out[sp.lo:sp.hi] = o[0]
         return self._linear(out.reshape(N, hv * dv).to(act), w.out_proj)
+
+    def commit_gdn(self, record: VerifyRecord, cache: EngineCache, slots: list[int],
+                   num_accepted: torch.Tensor) -> None:
+        """Commit a verify step's GDN layers: request r (slot ``slots[r]``) keeps its state and conv
+        window after row ``num_accepted[r] - 1`` (docs/spec.md, "Rollback / commit"), by the
+        configured ``gdn_commit`` (module doc)."""
+        for li, layer in enumerate(cache.layers):
+            if not isinstance(layer, GDNPool):
+                continue
+            windows = torch.stack([record.windows[li][s] for s in slots])
+            records, axes = {"conv_window": windows}, dict(conv_channels=windows.shape[2])
+            if self.gdn_commit == "cached":
+                states = torch.stack([record.states[li][s] for s in slots])
+                records = {"gdn_state": states, **records}
+                axes.update(state_dtype=DTYPE_NAME[layer.state.dtype], value_heads=states.shape[2],
+                            head_dim=states.shape[-1])
+            kept = self.ops.rollback_commit(records, num_accepted, **axes)
+            idx = torch.tensor(slots, device=layer.state.device)
+            layer.conv[idx] = kept["conv_window"].to(layer.conv.dtype)
+            if self.gdn_commit == "cached":
+                layer.state[idx] = kept["gdn_state"].to(layer.state.dtype)
+            else:
+                self._recompute_gdn(self.w.layers[li].mixer, layer, record.inputs[li], slots,
+                                    num_accepted)
+
+    def _recompute_gdn(self, w, pool: GDNPool, rows: dict[int, GdnRows], slots: list[int],
+                       num_accepted: torch.Tensor) -> None:
+        """The accepted rows' recurrence re-run from the pre-verify state in the pool: row j in one
+        ``gdn_decode`` launch over the requests that accepted it (their outputs are not read)."""
+        counts = [int(n) for n in num_accepted]
+        for j in range(max(counts, default=0)):
+            live = [slots[r] for r, n in enumerate(counts) if n > j]
+            row = [torch.stack([getattr(rows[s], f)[j] for s in live]) for f in "qkvabz"]
+            q, k, v, a, b, z = row
+            self.ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, z, w.norm_w, pool.state,
+                                torch.tensor(live, dtype=torch.int64, device=pool.state.device))
 
     # ------------------------------------------------------------------ QSA mixer
 

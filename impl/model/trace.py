@@ -8,7 +8,7 @@ does (``Engine.step``: decode rows first in arrival order, then the prompt chunk
 decode row for the GDN layers) and runs ``Model.trunk`` over an ``EngineCache`` allocated on meta, its
 requests holding their earlier tokens (positions and block keys set on the host planes, as if stored).
 With speculation it then runs what ``Engine._after_verify`` / ``_after_trunk`` run: greedy
-verification and the commit (``rollback_commit`` per GDN layer and for the PLE history, planes
+verification and the commit (``Model.commit_gdn`` and ``rollback_commit`` for the PLE history, planes
 truncated to the accepted length), then ``Engine._draft``: the draft layer over the kept rows (with
 IndexShare, the trunk's last QSA selection for them) and K - 1 one-row draft passes. Values do not exist
 on meta, so acceptance is the scenario's ``accepted`` and ops that branch on values run their
@@ -39,11 +39,11 @@ from certify.catalog.load import Catalog
 from certify.reach import Mode, ModeTrace
 from certify.reach.scenarios import ScenarioBase
 from certify.catalog.schema import EXACT, Variant
-from impl.model.cache import PAGE, EngineCache, GDNPool, scrub_pages, truncate_planes
+from impl.model.cache import PAGE, EngineCache, scrub_pages, truncate_planes
 from impl.model.dispatch import DispatchError, Dispatcher, OpCall
 from impl.model.engine_config import EngineConfig, RuleContext, SpeculativeConfig, check
 from impl.model.model import Model, Span, StepOutput, StepRows
-from impl.model.ops import DTYPE_NAME, Ops
+from impl.model.ops import Ops
 from spec.config import ModelConfig
 from spec.model import Weights, init_weights
 from spec.ops.qsa import QsaPlanes
@@ -90,6 +90,7 @@ class Scenario(ScenarioBase):
     accepted: int | None = Field(None, ge=0, le=7, description="verify: drafts accepted a request "
                                                                "(default: all)")
     index_share: bool = False
+    gdn_commit: Literal["cached", "recompute"] = "cached"
     max_num_tokens: int = Field(8192, ge=1)
 
     @model_validator(mode="after")
@@ -140,7 +141,8 @@ class Scenario(ScenarioBase):
                             kv_cache_dtype=self.kv_dtype,
                             state_dtype=self.state_dtype, max_batch_size=self.requests,
                             max_num_tokens=self.max_num_tokens, max_seq_len=self.max_context,
-                            speculative=spec, batch_invariant=mode.batch_invariant)
+                            speculative=spec, batch_invariant=mode.batch_invariant,
+                            gdn_commit=self.gdn_commit)
 
 
 # ------------------------------------------------------------------------------------- the forward
@@ -173,7 +175,7 @@ class _Forward:
     def __init__(self, sc: Scenario, catalog: Catalog, cfg: ModelConfig, weights: Weights):
         self.sc, self.cfg, self.k = sc, cfg, sc.draft_length or 0
         self.d = _ReferenceDispatcher(catalog, "cpu", batch_invariant=True)
-        self.model = Model(weights, cfg, Ops(self.d, shape_only=True))
+        self.model = Model(weights, cfg, Ops(self.d, shape_only=True), gdn_commit=sc.gdn_commit)
         self.ops = self.model.ops
         self.share = sc.index_share and index_share_honoured()
         # (slot, rows, start, GDN mode, ends its prompt) in the engine's row order: decode rows in
@@ -251,17 +253,7 @@ class _Forward:
         a = self.sc.accepted if self.sc.accepted is not None else k
         num_accepted = torch.full((R,), a + 1, dtype=torch.int64)
         rec, slots = out.record, [sp.slot for sp in spans]
-        for li, layer in enumerate(cache.layers):
-            if isinstance(layer, GDNPool):
-                states = torch.stack([rec.states[li][s] for s in slots])
-                windows = torch.stack([rec.windows[li][s] for s in slots])
-                kept = ops.rollback_commit({"gdn_state": states, "conv_window": windows}, num_accepted,
-                                           state_dtype=DTYPE_NAME[layer.state.dtype],
-                                           value_heads=states.shape[2], head_dim=states.shape[-1],
-                                           conv_channels=windows.shape[2])
-                idx = torch.tensor(slots, device=layer.state.device)
-                layer.state[idx] = kept["gdn_state"].to(layer.state.dtype)
-                layer.conv[idx] = kept["conv_window"].to(layer.conv.dtype)
+        self.model.commit_gdn(rec, cache, slots, num_accepted)
         ops.rollback_commit({"h": torch.stack([rec.ple_history[s] for s in slots])}, num_accepted)
         for sp in spans:
             keep = sp.start + a + 1

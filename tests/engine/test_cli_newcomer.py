@@ -130,7 +130,8 @@ def test_every_option_has_help_and_shows_its_default(command, capsys):
     text = capsys.readouterr().out
     entries = _option_entries(text)
     sub = _subparsers(cli._parser())[command]
-    closed = {"--preset", "--device", "--model-dtype", "--kv-dtype", "--state-dtype", "--moe-backend"}
+    closed = {"--preset", "--device", "--model-dtype", "--kv-dtype", "--state-dtype", "--moe-backend",
+              "--gdn-commit"}
     for action in sub._actions:
         if not action.option_strings or action.option_strings[0] == "-h":
             continue

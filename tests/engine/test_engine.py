@@ -37,12 +37,12 @@ def _requests(lengths: list[int], new: int = 6, seed: int = 1) -> list[Request]:
 
 
 def _engine(weights, *, kv="bf16", state="fp32", k=None, budget=40, batch=4, invariant=True,
-            chunked=True, device="cpu", graphs=False) -> Engine:
+            chunked=True, device="cpu", graphs=False, commit="cached") -> Engine:
     config = EngineConfig(model="tiny", device=device, kv_cache_dtype=kv, state_dtype=state,
                           max_batch_size=batch, max_num_tokens=budget, max_seq_len=MAX_LEN,
                           enable_chunked_prefill=chunked, batch_invariant=invariant,
                           speculative=None if k is None else SpeculativeConfig(draft_length=k),
-                          cuda_graphs=graphs)
+                          cuda_graphs=graphs, gdn_commit=commit)
     return Engine(config, weights, log_calls=True)
 
 
@@ -78,6 +78,23 @@ def test_speculative_decoding_matches_spec_bitwise(weights, kv, state, k):
     passes = _replay(e, weights)
     kinds = {p.what.split()[0] for p in passes}
     assert kinds == {"trunk", "commit", "draft"}, kinds
+    assert first_mismatch(passes) is None, first_mismatch(passes)
+
+
+@pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", 1), ("fp8", "bf16", 2),
+                                        ("nvfp4", "fp32", 3), ("bf16", "bf16", 3)])
+def test_recompute_commit_matches_spec_bitwise(weights, kv, state, k):
+    """The recomputing GDN commit (the accepted rows re-run from the pre-verify state) against the
+    spec's cached-replay oracle, pass for pass, at the draft lengths its rule admits."""
+    e = _engine(weights, kv=kv, state=state, k=k, commit="recompute")
+    # forced counts 1 .. K + 1 in turn (random weights' drafts are rarely accepted)
+    e.force_accept = lambda rid, a: 1 + (e.steps + int(rid[1:])) % (k + 1)
+    rep = e.generate(_requests(LENGTHS))
+    assert set(rep.step_kinds) == {"context", "verify"}, rep.step_kinds
+    assert "gdn_decode" in rep.variants   # the commit's re-run: no decode step runs with speculation
+    assert {n for r in rep.results.values() for n in r.num_accepted} == set(range(1, k + 2))
+    passes = _replay(e, weights)
+    assert {p.what.split()[0] for p in passes} == {"trunk", "commit", "draft"}
     assert first_mismatch(passes) is None, first_mismatch(passes)
 
 
@@ -179,6 +196,17 @@ def test_planted_commit_one_row_late_fails(weights, monkeypatch):
     assert _mismatch_with(weights, monkeypatch, k=3) is not None
 
 
+def test_planted_recompute_one_row_short_fails(weights, monkeypatch):
+    """The recomputing commit re-runs one accepted row fewer: the rollback replay cannot see it (both
+    of its engines re-run the same rows); the spec's oracle does."""
+    real = model_mod.Model._recompute_gdn
+
+    def short(self, w, pool, rows, slots, num_accepted):
+        return real(self, w, pool, rows, slots, (num_accepted - 1).clamp(min=0))
+    monkeypatch.setattr(model_mod.Model, "_recompute_gdn", short)
+    assert _mismatch_with(weights, monkeypatch, k=3, commit="recompute") is not None
+
+
 def test_planted_ngram_history_not_advanced_fails(weights, monkeypatch):
     real = model_mod.ple_history_advance
     monkeypatch.setattr(model_mod, "ple_history_advance",
@@ -237,6 +265,16 @@ def test_report_names_variants_and_rates(weights):
     rep = _engine(weights, invariant=False).generate(_requests([10], new=3))
     assert rep.variants["gdn_decode"] == ["torch"] and rep.variants["rmsnorm"] == ["spec_lowp"]
     assert rep.generated_tokens == 3 and rep.tokens_per_second > 0
+
+
+@pytest.mark.parametrize("backend,want", [("auto", "spec_lowp"), ("torch", "torch"),
+                                          ("spec_lowp", "spec_lowp")])
+def test_the_engine_runs_the_configured_moe_backend(weights, backend, want):
+    config = EngineConfig(model="tiny", max_batch_size=1, max_num_tokens=32, max_seq_len=64,
+                          moe_backend=backend)
+    rep = Engine(config, weights).generate(_requests([10], new=2))
+    assert rep.variants["moe"] == [want]
+    assert len(rep.results["r0"].tokens) == 2
 
 
 def test_weights_must_match_the_configuration():

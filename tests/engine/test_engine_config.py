@@ -57,10 +57,68 @@ def test_model_dtype_supported():
                                "['bfloat16'] (and ")
 
 
-def test_moe_backend_supported():
-    r = only(EngineConfig(moe_backend="trtllm"))
+def test_moe_backend_names_a_variant_of_moe():
+    """Every backend value but 'auto' and the foreign ones is a variant of moe, and every variant
+    of moe is a backend value: the choice is the catalog's."""
+    from typing import get_args
+
+    from impl.model.engine_config import MOE_OP, MoeBackend
+    variants = {v.name for v in default_context(EngineConfig()).catalog.ops[MOE_OP].variants}
+    assert set(get_args(MoeBackend)) - {"auto", "trtllm", "cutedsl"} == variants
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutedsl"])
+def test_moe_backend_without_kernels_refused(backend):
+    r = only(EngineConfig(moe_backend=backend))
     assert r.rule == "moe_backend_supported"
-    assert r.reason == "moe_backend 'trtllm' has no kernels in this project; supported: ['torch']"
+    assert r.reason == (f"moe_backend {backend!r} is not a variant of moe (its variants: triton, "
+                        "spec_lowp, torch; 'auto' lets their dispatch rules choose)")
+
+
+def test_moe_backend_refused_where_its_variant_cannot_run():
+    cpu = default_context(EngineConfig())
+    gpu = RuleContext(cpu.model, cpu.catalog, "sm_90")
+    for config, ctx, why in [
+            (EngineConfig(moe_backend="triton"), cpu, "it runs on cpu-interpret, sm_90, not on cpu"),
+            (EngineConfig(moe_backend="torch", batch_invariant=True), cpu,
+             "batch-invariant mode runs reference variants (impl: spec) only"),
+            (EngineConfig(device="cuda", moe_backend="triton", torch_only=True), gpu,
+             "torch_only runs the variants written in torch only")]:
+        r = only(config, ctx)
+        assert r.rule == "moe_backend_supported"
+        assert r.reason == (f"moe_backend {config.moe_backend!r}: moe's variant "
+                            f"{config.moe_backend!r} cannot run: {why}")
+
+
+def test_moe_backend_is_the_variant_every_moe_call_runs():
+    cpu = default_context(EngineConfig())
+    gpu = RuleContext(cpu.model, cpu.catalog, "sm_90")
+    cases = [("auto", cpu, "spec_lowp"), ("torch", cpu, "torch"), ("spec_lowp", cpu, "spec_lowp"),
+             ("auto", gpu, "triton"), ("triton", gpu, "triton"), ("torch", gpu, "torch"),
+             ("spec_lowp", gpu, "spec_lowp")]
+    for backend, ctx, want in cases:
+        config = EngineConfig(device="cpu" if ctx.arch == "cpu" else "cuda", moe_backend=backend)
+        assert check(config, ctx) == [], (backend, ctx.arch)
+        assert route(config, ctx).choices["moe"].variant == want, (backend, ctx.arch)
+        assert f"\n  moe: {want} (dispatch at" in explain(config, ctx, receipts={})
+    with_ref = EngineConfig(moe_backend="spec_lowp", batch_invariant=True)
+    assert check(with_ref, cpu) == []
+
+
+def test_cli_drops_the_expert_copy(capsys):
+    assert cli.main(["explain", "--preset", "tiny", "--no-moe-expert-copy"]) == 0
+    out = capsys.readouterr().out
+    assert "moe_expert_copy=False" in out and "memory beside the weights:" in out
+    assert cli._config(cli._parser().parse_args(["explain"])).moe_expert_copy is True
+
+
+def test_cuda_graphs_refuse_a_moe_backend_that_reads_the_host():
+    gpu = default_context(EngineConfig(device="cuda"), arch="sm_90")
+    assert check(EngineConfig(device="cuda", cuda_graphs=True, moe_backend="triton"), gpu) == []
+    for backend in ("torch", "spec_lowp"):
+        r = only(EngineConfig(device="cuda", cuda_graphs=True, moe_backend=backend), gpu)
+        assert r.rule == "cuda_graphs_capture_decode_on_cuda"
+        assert r.reason.startswith(f"a decode step of this geometry dispatches moe::{backend}:")
 
 
 def test_host_ple_tables_need_cuda():
@@ -169,6 +227,31 @@ def test_tokens_per_block_other_than_the_specs_is_refused(capsys):
     assert "REFUSED by 1 rule(s): tokens_per_block_is_the_specs" in capsys.readouterr().out
 
 
+def test_gdn_recompute_commit_up_to_draft_3():
+    from impl.model.engine_config import RECOMPUTE_MAX_DRAFT
+    assert RECOMPUTE_MAX_DRAFT == 3
+    for k in range(1, 4):
+        assert check(EngineConfig(speculative=spec(k), gdn_commit="recompute")) == []
+    for k in range(4, 8):
+        r = only(EngineConfig(speculative=spec(k), gdn_commit="recompute"))
+        assert r.rule == "gdn_recompute_commit_up_to_draft_3"
+        assert r.reason == (f"gdn_commit 'recompute' runs at draft length <= 3, the depth its replay "
+                            f"tests certify; draft length {k} runs gdn_commit 'cached'")
+        assert check(EngineConfig(speculative=spec(k))) == []   # the cached commit runs it
+    r = only(EngineConfig(gdn_commit="recompute"))
+    assert r.rule == "gdn_recompute_commit_up_to_draft_3"
+    assert r.reason == ("gdn_commit 'recompute' re-runs the accepted rows of a verify step at its "
+                        "commit; speculation is off, so no step verifies")
+
+
+def test_gdn_commit_from_the_cli(capsys):
+    assert cli.main(["explain", "--preset", "tiny", "--draft-length", "3",
+                     "--gdn-commit", "recompute"]) == 0
+    assert "gdn_commit=recompute" in capsys.readouterr().out
+    assert cli.main(["explain", "--draft-length", "4", "--gdn-commit", "recompute"]) == 2
+    assert "REFUSED by 1 rule(s): gdn_recompute_commit_up_to_draft_3" in capsys.readouterr().out
+
+
 def test_token_budget_holds_a_step():
     r = only(EngineConfig(max_batch_size=8, max_num_tokens=31, speculative=spec(3)))
     assert r.rule == "token_budget_holds_a_step"
@@ -201,6 +284,23 @@ def test_explain_accepted_lists_variant_per_op():
     assert "  gdn_verify: certified by gdn_verify::torch::r4_b16_fp32 (rows=4)" in text
     no_spec = explain(EngineConfig(model="tiny"), ctx, receipts={})
     assert "  gdn_verify: not run (speculation off)" in no_spec
+
+
+def test_explain_names_every_rule_and_the_features_settings():
+    """explain lists every rule with its statement (the MoE backend's, the recomputing GDN
+    commit's and the KV page size's among them), the settings that select the features, the moe
+    variant they run and the expert copy's decision."""
+    c = EngineConfig(model="tiny", speculative=spec(3), gdn_commit="recompute", moe_backend="torch")
+    text = explain(c, receipts={})
+    for rule in RULES:
+        assert f"  [PASS] {rule.name}: {rule.statement}" in text
+    for name in ("moe_backend_supported", "gdn_recompute_commit_up_to_draft_3",
+                 "tokens_per_block_is_the_specs"):
+        assert name in {r.name for r in RULES}
+    for setting in ("moe_backend=torch", "gdn_commit=recompute", "moe_expert_copy=True"):
+        assert setting in text
+    assert "\n  moe: torch (dispatch at" in text
+    assert "\n  second expert copy: 0.000 GiB (none: moe runs torch" in text
 
 
 def test_explain_refused_names_rules():

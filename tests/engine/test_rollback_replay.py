@@ -8,6 +8,12 @@ speculation touches is compared (impl/model/replay.py: GDN state and conv window
 the PLE n-gram history, K / V bytes, index keys, the position plane, block keys and their valid
 flags, pages left behind), for every KV and state storage dtype. Drafts are drawn tokens, not the
 draft layer's guesses, so any acceptance pattern can be forced.
+
+Both GDN commits are held to it (``EngineConfig.gdn_commit``): 'cached', at every draft length, and
+'recompute' (the accepted rows re-run from the pre-verify state), at the draft lengths its rule admits
+(1 .. RECOMPUTE_MAX_DRAFT). Both engines of a pair commit the same way, so a commit wrong alike in both
+(one row short) passes the pair; it fails ``test_recompute_and_cached_commits_leave_the_same_state``
+(the two commits leave the same bytes) and the spec's oracle (tests/engine/test_engine.py).
 """
 
 from __future__ import annotations
@@ -23,7 +29,8 @@ from certify.harness.replay import assert_replay_equal, compare_states
 from impl.model import engine as engine_mod
 from impl.model.admission import Request
 from impl.model.engine import Engine
-from impl.model.engine_config import EngineConfig, SpeculativeConfig
+from impl.model.model import Model
+from impl.model.engine_config import RECOMPUTE_MAX_DRAFT, EngineConfig, SpeculativeConfig
 from impl.model.ops import Ops
 from impl.model.replay import engine_state
 from spec.config import ModelConfig
@@ -37,14 +44,14 @@ _PREFILLED: dict[tuple, Engine] = {}
 
 
 def prefilled(weights, kv: str, state: str, k: int, prompt_lens: tuple[int, ...],
-              invariant: bool = True) -> Engine:
+              invariant: bool = True, commit: str = "cached") -> Engine:
     """An engine whose requests have read their prompts and wait for verification (cached; callers
     get a copy)."""
-    key = (kv, state, k, prompt_lens, invariant)
+    key = (kv, state, k, prompt_lens, invariant, commit)
     if key not in _PREFILLED:
         config = EngineConfig(model="tiny", kv_cache_dtype=kv, state_dtype=state,
                               max_batch_size=len(prompt_lens), max_num_tokens=128, max_seq_len=160,
-                              batch_invariant=invariant,
+                              batch_invariant=invariant, gdn_commit=commit,
                               speculative=SpeculativeConfig(draft_length=k))
         e = Engine(config, weights)
         gen = torch.Generator().manual_seed(sum(prompt_lens) + 7 * k)
@@ -59,14 +66,18 @@ def prefilled(weights, kv: str, state: str, k: int, prompt_lens: tuple[int, ...]
     return copy.deepcopy(e, memo={id(e.weights): e.weights, id(e.model.w): e.model.w})
 
 
+def _drafts(k: int, rids: list[str], seed: int) -> dict[str, list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return {rid: torch.randint(0, TINY.vocab_size, (k,), generator=gen).tolist() for rid in rids}
+
+
 def replay_pair(weights, kv, state, k, prompt_lens, accepted: dict[str, int], drafts_seed: int = 0,
-                invariant: bool = True):
+                invariant: bool = True, commit: str = "cached"):
     """(state after commit, state of the shorter verify) for acceptance ``accepted`` (a per rid)."""
-    a_eng = prefilled(weights, kv, state, k, prompt_lens, invariant)
-    b_eng = prefilled(weights, kv, state, k, prompt_lens, invariant)
-    gen = torch.Generator().manual_seed(drafts_seed)
+    a_eng = prefilled(weights, kv, state, k, prompt_lens, invariant, commit)
+    b_eng = prefilled(weights, kv, state, k, prompt_lens, invariant, commit)
     rids = sorted(accepted)
-    drafts = {rid: torch.randint(0, TINY.vocab_size, (k,), generator=gen).tolist() for rid in rids}
+    drafts = _drafts(k, rids, drafts_seed)
     vp = a_eng.verify_pass(drafts)
     a_eng.commit_pass(vp, {rid: accepted[rid] + 1 for rid in rids})
     for rid in rids:
@@ -115,12 +126,60 @@ def test_drawn_acceptance_patterns(weights, data):
     assert_replay_equal(got, want, f"K={k}, a={accepted}, kv={kv}, state={state}")
 
 
-def test_default_mode_replays_too(weights):
+@pytest.mark.parametrize("commit", ["cached", "recompute"])
+def test_default_mode_replays_too(weights, commit):
     """The default dispatch (torch GDN variants) keeps the oracle: its verify computes each row from
-    the rows before it only."""
+    the rows before it only, and its decode launches (the recomputing commit) each request's rows
+    alone."""
     got, want = replay_pair(weights, "fp8", "bf16", 3, PROMPTS, {"r0": 0, "r1": 2, "r2": 3},
-                            invariant=False)
-    assert_replay_equal(got, want, "default mode")
+                            invariant=False, commit=commit)
+    assert_replay_equal(got, want, f"default mode, gdn_commit={commit}")
+
+
+# ---------------------------------------------------------------- the recomputing GDN commit
+
+RECOMPUTE_K = list(range(1, RECOMPUTE_MAX_DRAFT + 1))
+
+
+@pytest.mark.parametrize("kv,state", DTYPES)
+@pytest.mark.parametrize("k", RECOMPUTE_K)
+@pytest.mark.parametrize("extreme", ["all_rejected", "all_accepted"])
+def test_recompute_commit_equals_shorter_verify(weights, kv, state, k, extreme):
+    a = 0 if extreme == "all_rejected" else k
+    got, want = replay_pair(weights, kv, state, k, PROMPTS, {f"r{i}": a for i in range(3)},
+                            commit="recompute")
+    assert_replay_equal(got, want, f"recompute, K={k}, a={a}, kv={kv}, state={state}")
+
+
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_recompute_commit_drawn_acceptance_patterns(weights, data):
+    """As ``test_drawn_acceptance_patterns``, for the recomputing commit at the draft lengths its
+    rule admits: requests that accept different counts re-run different numbers of rows."""
+    kv, state = data.draw(st.sampled_from(DTYPES), label="dtypes")
+    k = data.draw(st.sampled_from(RECOMPUTE_K), label="K")
+    lens = tuple(sorted(data.draw(st.lists(st.sampled_from([25, 29, 31, 32, 33, 62, 64]),
+                                           min_size=2, max_size=3, unique=True), label="prompts")))
+    accepted = {f"r{i}": data.draw(st.integers(0, k), label=f"a{i}") for i in range(len(lens))}
+    got, want = replay_pair(weights, kv, state, k, lens, accepted,
+                            drafts_seed=data.draw(st.integers(0, 99), label="drafts"),
+                            commit="recompute")
+    assert_replay_equal(got, want, f"recompute, K={k}, a={accepted}, kv={kv}, state={state}")
+
+
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("nvfp4", "bf16")])
+@pytest.mark.parametrize("k", RECOMPUTE_K)
+def test_recompute_and_cached_commits_leave_the_same_state(weights, kv, state, k):
+    """In batch-invariant mode the spec stores the state after every verify row as K + 1 decode
+    steps do, so re-running the accepted rows commits the bytes the cached commit copies."""
+    accepted = {"r0": 0, "r1": k // 2, "r2": k}
+    states = []
+    for commit in ("cached", "recompute"):
+        eng = prefilled(weights, kv, state, k, PROMPTS, commit=commit)
+        vp = eng.verify_pass(_drafts(k, sorted(accepted), 5))
+        eng.commit_pass(vp, {rid: a + 1 for rid, a in accepted.items()})
+        states.append(engine_state(eng, sorted(accepted)))
+    assert_replay_equal(*states, f"cached vs recompute, K={k}, kv={kv}, state={state}")
 
 
 # ---------------------------------------------------------------- planted rollback bugs
@@ -169,6 +228,25 @@ def test_planted_block_key_kept_after_its_block_lost_tokens(weights, monkeypatch
     # tokens, so block 0 loses its last token and its key must go.
     found = _mismatches(weights, accepted={"r0": 0, "r1": 0, "r2": 0})
     assert any(m.startswith("block_key_valid[3], request r0, block 0") for m in found), found
+
+
+def test_planted_recompute_from_the_post_verify_state(weights, monkeypatch):
+    """The recomputing commit re-runs the accepted rows from the state the verify step left (its
+    last row's, as the cached path writes) instead of the pre-verify state."""
+    real = Model.commit_gdn
+
+    def from_last_row(self, record, cache, slots, num_accepted):
+        for li, rows in record.inputs.items():   # the verify rows' recurrence, as if committed
+            w = self.w.layers[li].mixer
+            pool = cache.layers[li]
+            full = torch.full((len(slots),), next(iter(rows.values())).q.shape[0])
+            self._recompute_gdn(w, pool, rows, slots, full)
+        return real(self, record, cache, slots, num_accepted)
+    monkeypatch.setattr(Model, "commit_gdn", from_last_row)
+    got, want = replay_pair(weights, "bf16", "fp32", 3, PROMPTS, {"r0": 1, "r1": 0, "r2": 2},
+                            commit="recompute")
+    found = [str(m) for m in compare_states(got, want)]
+    assert any(m.startswith("gdn_state[0], request r0, value head") for m in found), found
 
 
 def test_planted_ngram_history_not_rolled_back(weights, monkeypatch):

@@ -38,11 +38,12 @@ def _scenario(**kw) -> Scenario:
     return Scenario(name="s", why="a driver test scenario", max_num_tokens=40, **kw)
 
 
-@pytest.mark.parametrize("share, kv", [(False, "bf16"), (True, "nvfp4")])
-def test_the_driver_reaches_what_the_engine_dispatches(share, kv):
+@pytest.mark.parametrize("share, kv, commit", [(False, "bf16", "cached"), (True, "nvfp4", "cached"),
+                                               (False, "fp8", "recompute")])
+def test_the_driver_reaches_what_the_engine_dispatches(share, kv, commit):
     weights = init_weights(TINY, seed=0, dtype=torch.bfloat16)
     config = EngineConfig(model="tiny", kv_cache_dtype=kv, max_batch_size=2, max_num_tokens=40,
-                          max_seq_len=160, batch_invariant=True,
+                          max_seq_len=160, batch_invariant=True, gdn_commit=commit,
                           speculative=SpeculativeConfig(draft_length=2, index_share=share))
     engine = Engine(config, weights)
     engine.dispatcher.start_trace()
@@ -52,13 +53,14 @@ def test_the_driver_reaches_what_the_engine_dispatches(share, kv):
     engine_calls = engine.dispatcher.stop_trace()
 
     meta = init_weights(TINY, dtype=torch.bfloat16, device="meta")
-    common = dict(draft_length=2, index_share=share, kv_dtype=kv)
+    common = dict(draft_length=2, index_share=share, kv_dtype=kv, gdn_commit=commit)
     driver_calls = []
     for sc in (_scenario(prefill=[{"chunk": 40, "context": 40, "last": False}], **common),
                _scenario(prefill=[{"chunk": 10, "context": 50}], **common),
                _scenario(verify=[{"requests": 2, "context": 60}], accepted=1, **common)):
         driver_calls += forward_calls(sc, CATALOG, TINY, meta)
     assert _signature(driver_calls) == _signature(engine_calls)
+    assert ("gdn_decode" in _signature(engine_calls)) == (commit == "recompute")
 
 
 def test_index_share_removes_the_draft_layers_own_selection_for_the_trunks_rows():

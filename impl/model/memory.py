@@ -1,0 +1,72 @@
+"""The memory an engine holds beside the weights, from its configuration and the geometry alone.
+
+Three parts, in bytes:
+
+- ``kv_pages``: the page pool (impl/model/cache.py): every slot's pages at ``max_seq_len``, each page
+  holding, for every QSA layer (and the MTP draft layer with speculation), its K and V (bf16, fp8, or
+  nvfp4 codes and e4m3 scales), index keys, positions, block key and block-key flag;
+- ``state_pools``: the GDN state (fp32 or bf16) and conv window (activation dtype) of every slot and
+  GDN layer, and the PLE n-gram histories;
+- ``expert_copy``: the second copy of the routed experts (impl/model/expert_copy.py), 0 where none is
+  kept.
+
+The engine sizes its page pool from ``max_seq_len``, not from the device's free memory, so the copy
+does not shrink it here; it is counted in the same sum as the pages (``total``), the memory a
+deployment sizing the KV pool from what is free gives up to it. tests/engine/test_memory.py holds
+``kv_pages`` and ``state_pools`` to the bytes ``EngineCache.allocate`` allocates.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from impl.model.cache import PAGE
+from impl.model.expert_copy import ExpertCopy
+from spec.config import ModelConfig
+
+_STATE_BYTES = {"fp32": 4, "bf16": 2}
+_ACT_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+_INT32, _INT64, _BOOL = 4, 8, 1
+
+
+def page_bytes(model: ModelConfig, kv_dtype: str, act_bytes: int) -> int:
+    """One page of one QSA layer: K and V, the index plane, the position plane, its block key and
+    the block key's valid flag."""
+    return (PAGE * (model.kv_bytes_per_token_per_layer(kv_dtype) + model.index_dim * act_bytes
+                    + _INT32) + model.index_dim * act_bytes + _BOOL)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    pages: int
+    kv_pages: int
+    state_pools: int
+    expert_copy: ExpertCopy
+
+    @property
+    def total(self) -> int:
+        return self.kv_pages + self.state_pools + self.expert_copy.bytes
+
+    def lines(self) -> list[str]:
+        gib = lambda n: f"{n / 2**30:.3f} GiB"  # noqa: E731
+        copy = self.expert_copy
+        return [f"  KV pages: {self.pages} pages, {gib(self.kv_pages)}",
+                f"  GDN state and conv pools, PLE histories: {gib(self.state_pools)}",
+                f"  second expert copy: {gib(copy.bytes)} ({'kept' if copy.kept else 'none'}: "
+                f"{copy.reason})",
+                f"  total: {gib(self.total)}"]
+
+
+def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: str,
+                state_dtype: str, model_dtype: str, with_mtp: bool,
+                expert_copy: ExpertCopy) -> MemoryPlan:
+    """The plan of an engine with ``slots`` slots (``EngineCache.allocate``'s arguments)."""
+    act = _ACT_BYTES[model_dtype]
+    pages = slots * -(-max_seq_len // PAGE)
+    layers = model.num_qsa_layers + (model.mtp_layers if with_mtp else 0)
+    kv = pages * layers * page_bytes(model, kv_dtype, act)
+    gdn = model.num_gdn_layers * slots * (
+        model.gdn_value_heads * model.gdn_d_k * model.gdn_d_v * _STATE_BYTES[state_dtype]
+        + model.gdn_conv_channels * (model.gdn_conv_kernel - 1) * act)
+    ple = slots * 2 * _INT64
+    return MemoryPlan(pages, kv, gdn + ple, expert_copy)
