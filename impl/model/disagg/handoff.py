@@ -26,7 +26,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 from pydantic import ValidationError
@@ -35,6 +35,9 @@ from impl.model.admission import Request, RequestRejected, validate_request
 from impl.model.cache import EngineCache, GDNPool
 from impl.model.disagg.roles import PAGE, SIDE_PLANES, TransferRoles, transfer_roles
 from spec.ops.qsa import QsaPlanes, selection_width
+
+if TYPE_CHECKING:
+    from impl.model.engine import Engine, Sequence
 
 FORMAT = 1
 # the storage fields of a manifest a receiving engine must match, besides the geometry
@@ -157,8 +160,9 @@ def _slot_part(name: str, pool: torch.Tensor) -> Part:
 
 def cache_parts(cache: EngineCache, roles: TransferRoles, n_pages: int, draft_layer: bool
                 ) -> list[Part]:
-    """The parts of one request's cache state, in payload order: every layer's (QSA pages by role,
-    or the GDN state and conv window), the draft layer's pages (``draft_layer``), the PLE history."""
+    """The parts of one request's cache state, in payload order: every layer's (QSA pages by
+    role, or the GDN state and conv window), the draft layer's pages (``draft_layer``), the PLE
+    history."""
     parts: list[Part] = []
     for li, layer in enumerate(cache.layers):
         if isinstance(layer, GDNPool):
@@ -190,7 +194,7 @@ def roles_of(cache: EngineCache) -> TransferRoles:
     return transfer_roles(cache.cfg, cache.kv_dtype, cache.act)
 
 
-def storage_of(engine) -> dict:
+def storage_of(engine: Engine) -> dict:
     """What the receiver must match: the geometry, the storage fields, the draft layer."""
     c = engine.config
     return json.loads(json.dumps({
@@ -204,7 +208,7 @@ def _pack(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
     return torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8, device=device)
 
 
-def extract(engine, seq) -> Handoff:
+def extract(engine: Engine, seq: Sequence) -> Handoff:
     """The hand-off of ``seq`` (prompt read, first token emitted; or finished), read from
     ``engine``'s cache. Nothing in the engine changes: ``Engine.detach`` frees the slot."""
     request = seq.request
@@ -217,7 +221,8 @@ def extract(engine, seq) -> Handoff:
         return Handoff(json.loads(json.dumps(manifest)), _pack([], device))
     if seq.in_prompt:
         raise ValueError(f"request {request.request_id!r} has read {seq.prompt_done} of its "
-                         f"{len(request.prompt)} prompt tokens; a hand-off follows the whole prompt")
+                         f"{len(request.prompt)} prompt tokens; a hand-off follows the whole "
+                         f"prompt")
     cache = engine.cache
     n_pages = cache.pages.held[seq.slot]
     pages = torch.tensor(cache.pages.pages_of(seq.slot), dtype=torch.int64)
@@ -226,7 +231,7 @@ def extract(engine, seq) -> Handoff:
     values = [p.read(seq.slot, pages) for p in parts]
     if seq.prompt_rows:
         hidden = torch.cat([h for h, _ in seq.prompt_rows])
-        selection = ([s for _, s in seq.prompt_rows if s is not None])
+        selection = [s for _, s in seq.prompt_rows if s is not None]
         parts += row_parts(cache, len(request.prompt), True, bool(selection))
         values += [hidden] + ([torch.cat(selection).to(torch.int64)] if selection else [])
     for part, value in zip(parts, values):
@@ -243,7 +248,7 @@ def extract(engine, seq) -> Handoff:
 # ------------------------------------------------------------------------------ the receiver
 
 
-def _check_storage(engine, m: dict, rid: str) -> None:
+def _check_storage(engine: Engine, m: dict, rid: str) -> None:
     theirs, ours = m.get("storage") or {}, storage_of(engine)
     if theirs.get("geometry") != ours["geometry"]:
         diff = sorted(k for k in ours["geometry"]
@@ -256,7 +261,7 @@ def _check_storage(engine, m: dict, rid: str) -> None:
                                            f"engine stores {ours[f]!r}")
 
 
-def _check_drafting(engine, m: dict, rid: str) -> tuple[bool, bool, bool]:
+def _check_drafting(engine: Engine, m: dict, rid: str) -> tuple[bool, bool, bool]:
     """(draft-layer pages, hidden rows, selection rows) the hand-off must carry for this engine."""
     sent_k, sent_share = m["storage"].get("draft_length", 0), m["storage"].get("index_share")
     names = {p.get("name") for p in m.get("parts", [])}
@@ -278,7 +283,7 @@ def _check_drafting(engine, m: dict, rid: str) -> tuple[bool, bool, bool]:
     return False, bool(engine.k), engine.index_share
 
 
-def check(engine, handoff: Handoff) -> tuple[Request, list[Part]]:
+def check(engine: Engine, handoff: Handoff) -> tuple[Request, list[Part]]:
     """The request and the parts to write, or ``TransferRejected`` for the first mismatch."""
     m, rid = handoff.manifest, handoff.request_id
     if m.get("format") != FORMAT:
@@ -309,8 +314,8 @@ def check(engine, handoff: Handoff) -> tuple[Request, list[Part]]:
     n_pages = m.get("pages")
     need = -(-max(L, m.get("mtp_length", 0)) // PAGE)
     if not isinstance(n_pages, int) or not need <= n_pages <= cache.pages.pages_per_slot:
-        raise TransferRejected(rid, "pages", f"{n_pages!r} pages for {L} stored tokens; this engine "
-                                             f"gives a request {need} to "
+        raise TransferRejected(rid, "pages", f"{n_pages!r} pages for {L} stored tokens; this "
+                                             f"engine gives a request {need} to "
                                              f"{cache.pages.pages_per_slot} pages")
     if n_pages > len(cache.pages.free):
         raise TransferRejected(rid, "pages", f"needs {n_pages} pages; {len(cache.pages.free)} are "
@@ -333,7 +338,7 @@ def check(engine, handoff: Handoff) -> tuple[Request, list[Part]]:
     return request, parts
 
 
-def adopt(engine, handoff: Handoff):
+def adopt(engine: Engine, handoff: Handoff) -> Sequence:
     """Continue a handed-off request in ``engine``: check it (``TransferRejected``, nothing
     changed), give it a free slot and pages, write its state; returns its ``Sequence``, running
     from the next step. A hand-off of a finished request returns it finished, taking nothing."""

@@ -144,7 +144,8 @@ def transfer_roles(cfg: ModelConfig, kv_cache_dtype: str, act: torch.dtype,
         kv_sizes = {r.rank_page_bytes(h) for r in kv}
         clash = [r for r in side if r.page_bytes in kv_sizes]
         if clash:
-            raise ValueError(f"the side record {clash[0].name} has {clash[0].page_bytes} bytes a page, "
-                             f"the size of a K/V record of a rank holding {h} KV head(s), even "
-                             f"packed: this geometry has no collision-free side-plane layout")
+            raise ValueError(f"the side record {clash[0].name} has {clash[0].page_bytes} bytes a "
+                             f"page, the size of a K/V record of a rank holding {h} KV head(s), "
+                             f"even packed: this geometry has no collision-free side-plane "
+                             f"layout")
     return TransferRoles(kv_cache_dtype, packed, tuple(kv + side))
