@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from impl.model.engine import Engine
 from impl.model.engine_config import (EngineConfig, PeerConfig, SpeculativeConfig, check,
                                       default_context, explain, transfer_backend)
 
@@ -51,8 +52,8 @@ def test_a_disaggregated_role_needs_its_peer(role, side):
 def test_an_aggregated_engine_names_no_peer_and_no_backend():
     r = only(EngineConfig(**TINY, peer=peer(), transfer_backend="gloo"))
     assert r.rule == "disaggregation_role_has_a_peer"
-    assert r.reason == ("role 'aggregated' serves its requests alone; peer and transfer_backend are "
-                        "read only by a context or generation engine")
+    assert r.reason == ("role 'aggregated' serves its requests alone; peer and transfer_backend "
+                        "are read only by a context or generation engine")
 
 
 @pytest.mark.parametrize("field,ours,theirs", [
@@ -122,3 +123,22 @@ def test_explain_names_the_role_and_the_refusing_rule():
     assert "[FAIL] disaggregated_peers_store_state_alike" in text
     assert "[PASS] disaggregation_role_has_a_peer" in text
 
+
+def test_a_disaggregated_engine_serves_through_its_worker(weights):
+    from impl.model.disagg.channel import TransferChannel
+    from impl.model.disagg.workers import ContextWorker, GenerationWorker
+
+    engine = Engine(EngineConfig(**TINY, role="context", peer=peer()), weights)
+    with pytest.raises(RuntimeError, match="a context engine serves through the workers of "
+                                           "impl.model.disagg, not generate"):
+        engine.generate([])
+    with pytest.raises(ValueError, match="a generation worker runs a generation engine; this "
+                                         "one's role is 'context'"):
+        GenerationWorker(engine, TransferChannel(peer=0))
+    aggregated = Engine(EngineConfig(**TINY), weights)
+    with pytest.raises(ValueError, match="a context worker runs a context engine; this one's role "
+                                         "is 'aggregated'"):
+        ContextWorker(aggregated, TransferChannel(peer=1))
+    with pytest.raises(ValueError, match="the channel moves meta tensors; the engine's pages are "
+                                         "on cpu"):
+        ContextWorker(engine, TransferChannel(peer=1, device="meta"))
