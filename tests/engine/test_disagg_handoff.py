@@ -1,6 +1,7 @@
-"""The hand-off itself, in one process (impl/model/disagg/handoff.py): it carries exactly the request's
-state, its cost does not grow with the pools, and a hand-off that does not match the generation
-engine is rejected naming the field at fault while the engine keeps serving its other requests."""
+"""The hand-off itself, in one process (impl/model/disagg/handoff.py): it carries exactly the
+request's state, its cost does not grow with the pools, and a hand-off that does not match the
+generation engine is rejected naming the field at fault while the engine keeps serving its other
+requests."""
 
 from __future__ import annotations
 
