@@ -41,7 +41,8 @@ def test_the_pairs_the_target_runs_are_accepted(role, k_context, k_generation):
 
 
 @pytest.mark.parametrize("role,side", [("context", "hands requests to"),
-                                       ("generation", "continues requests from")])
+                                       ("generation", "continues requests from")],
+                         ids=["context", "generation"])
 def test_a_disaggregated_role_needs_its_peer(role, side):
     r = only(EngineConfig(**TINY, role=role))
     assert r.rule == "disaggregation_role_has_a_peer"
@@ -84,7 +85,8 @@ def test_a_drafting_context_engine_needs_a_drafting_peer(role):
 
 @pytest.mark.parametrize("theirs,what", [
     (SpeculativeConfig(draft_length=2), "draft_length 2 and index_share False"),
-    (SpeculativeConfig(draft_length=3, index_share=True), "draft_length 3 and index_share True")])
+    (SpeculativeConfig(draft_length=3, index_share=True), "draft_length 3 and index_share True")],
+    ids=["draft_length", "index_share"])
 def test_drafting_peers_agree_on_the_draft_layer(theirs, what):
     r = only(EngineConfig(**TINY, role="context", speculative=K3, peer=peer(speculative=theirs)))
     assert r.rule == "disaggregated_draft_layers_agree"
