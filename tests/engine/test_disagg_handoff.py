@@ -86,10 +86,12 @@ def test_a_handoff_carries_exactly_the_requests_state(weights, kv, k):
                                                                                          pages)
 
 
-def _transfer_bytes(weights, max_seq_len: int, kv: str, k: int) -> tuple[int, int]:
-    spec = SpeculativeConfig(draft_length=k) if k else None
-    ctx, gen = _configs(dict(kv_cache_dtype=kv, speculative=spec),
-                        dict(kv_cache_dtype=kv, speculative=spec), max_seq_len=max_seq_len)
+def _transfer_bytes(weights, max_seq_len: int, kv: str, k_context: int = 0,
+                    k_generation: int = 0) -> tuple[int, int]:
+    spec = {0: None, 3: SpeculativeConfig(draft_length=3)}
+    ctx, gen = _configs(dict(kv_cache_dtype=kv, speculative=spec[k_context]),
+                        dict(kv_cache_dtype=kv, speculative=spec[k_generation]),
+                        max_seq_len=max_seq_len)
     sender, receiver = Engine(ctx, weights), Engine(gen, weights)
     seq = _read_prompt(sender, _request("a", 70))
     with BytesWritten() as sent:
@@ -100,12 +102,14 @@ def _transfer_bytes(weights, max_seq_len: int, kv: str, k: int) -> tuple[int, in
     return sent.total, received.total
 
 
-@pytest.mark.parametrize("kv,k", [("bf16", 0), ("nvfp4", 3)])
-def test_a_transfer_costs_the_request_not_the_pool(weights, kv, k):
-    """extract + detach and adopt at max_seq_len 1024 and 131072 (32 and 4096 pages a slot) write
-    the same bytes: nothing is copied in proportion to the pools."""
-    small = _transfer_bytes(weights, 1024, kv, k)
-    large = _transfer_bytes(weights, 131072, kv, k)
+@pytest.mark.parametrize("kv,k_context,k_generation", [("bf16", 0, 0), ("nvfp4", 3, 3),
+                                                       ("fp8", 0, 3)])
+def test_a_transfer_costs_the_request_not_the_pool(weights, kv, k_context, k_generation):
+    """extract + detach and adopt (with MTP on the generation engine only, the draft layer reading
+    the prompt rows) at max_seq_len 1024 and 131072 (32 and 4096 pages a slot) write the same
+    bytes: nothing is copied in proportion to the pools."""
+    small = _transfer_bytes(weights, 1024, kv, k_context, k_generation)
+    large = _transfer_bytes(weights, 131072, kv, k_context, k_generation)
     assert large == small, (small, large)
     assert min(small) > 0
 
@@ -122,8 +126,8 @@ def test_a_whole_pool_copy_would_be_seen(weights, monkeypatch):
                                 lambda slot, pages: pool.clone()[pages.to(pool.device)],
                                 part.write)
     monkeypatch.setattr(handoff_mod, "_paged_part", cloning)
-    small = _transfer_bytes(weights, 1024, "bf16", 0)[0]
-    large = _transfer_bytes(weights, 131072, "bf16", 0)[0]
+    small = _transfer_bytes(weights, 1024, "bf16")[0]
+    large = _transfer_bytes(weights, 131072, "bf16")[0]
     assert large > 2 * small, (small, large)
 
 
