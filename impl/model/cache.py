@@ -152,7 +152,7 @@ class PagePool:
     def release(self, slot: int) -> list[int]:
         pages = self.pages_of(slot)
         self.free.extend(reversed(pages))
-        self.block_table[slot] = -1
+        self.block_table[slot, :self.held[slot]] = -1   # the rest of the row is -1 already
         self.held[slot] = 0
         return pages
 

@@ -23,6 +23,10 @@ Scheduling (deterministic: the same requests give the same steps):
 With ``cuda_graphs`` a decode step (every row a decode row) replays a captured graph of its batch
 bucket (impl/model/graphs.py); other steps run eagerly.
 
+Disaggregated serving (impl/model/disagg/) moves a request between engines after its prompt:
+``detach`` frees its slot on the context engine, ``attach`` gives it one on the generation engine,
+and ``draft_prompt`` lets a generation engine's draft layer read a prompt its peer's trunk read.
+
 Greedy decoding only (admission refuses sampling). The per-step logits of every model pass can be
 logged (``log_calls``) so a test can replay the same passes through spec/model.py.
 """
@@ -65,6 +69,9 @@ class Sequence:
     draft_hidden: torch.Tensor | None = None
     accepted: list[int] = field(default_factory=list)   # num_accepted per verify step
     done: bool = False
+    # The trunk's rows of the prompt (hidden [n, C], selection [n, W] or None) per chunk, kept by a
+    # context engine for a generation peer whose draft layer reads them (impl/model/disagg/).
+    prompt_rows: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -159,6 +166,10 @@ class Engine:
         self.index_share = bool(config.speculative and config.speculative.index_share)
         if self.k and weights.mtp is None:
             raise ValueError("speculation needs the MTP draft layer's weights")
+        # A context engine without a draft layer keeps the prompt's trunk rows for a drafting peer.
+        peer_drafts = config.peer.speculative if config.peer is not None else None
+        self.keep_prompt_rows = config.role == "context" and not self.k and peer_drafts is not None
+        self.keep_prompt_selection = self.keep_prompt_rows and peer_drafts.index_share
         self.dispatcher = Dispatcher(ctx.catalog, arch, batch_invariant=config.batch_invariant,
                                      torch_only=config.torch_only, numerics=config.numerics,
                                      pinned=config.pinned_variants())
@@ -342,6 +353,10 @@ class Engine:
         emitted: dict[str, list[int]] = {}
         drafting: list[tuple[Sequence, Span, list[int]]] = []
         for (seq, mode, n), sp in zip(plan, spans):
+            if mode == "prefill" and self.keep_prompt_rows:
+                seq.prompt_rows.append((out.hidden[sp.lo:sp.hi].clone(),
+                                        out.selection[sp.lo:sp.hi].clone()
+                                        if self.keep_prompt_selection else None))
             if mode == "prefill":
                 seq.prompt_done += n
                 if seq.in_prompt:
@@ -424,7 +439,8 @@ class Engine:
             n = sp.hi - sp.lo
             spans.append(Span(slot, row, row + n, sp.start, "prefill"))
             h_rows.append(trunk.hidden[sp.lo:sp.hi])
-            sel_rows.append(trunk.selection[sp.lo:sp.hi])
+            if self.index_share:
+                sel_rows.append(trunk.selection[sp.lo:sp.hi])
             ids += nxt
             row += n
         plan = [(seq, "prefill", sp.hi - sp.lo) for seq, sp, _ in items]
@@ -461,6 +477,46 @@ class Engine:
                 first = cache.lengths[seq.slot] + 1
                 seq.drafts = list(self.propose_hook(seq.request.request_id, first, seq.drafts))
 
+    # ------------------------------------------------------------------ hand-off hooks
+
+    @property
+    def free_slots(self) -> int:
+        return self.config.max_batch_size - len(self.running)
+
+    def attach(self, seq: Sequence) -> int:
+        """A request handed over by a peer engine (impl/model/disagg/) takes the lowest free slot,
+        fresh (zero state, no pages, no tokens), and runs from the next step; returns the slot."""
+        free = [s for s in range(self.config.max_batch_size) if s not in self.running]
+        if not free:
+            raise RuntimeError(f"no free slot for request {seq.request.request_id!r}: all "
+                               f"{self.config.max_batch_size} are running")
+        seq.slot, seq.arrival = free[0], self._arrivals
+        self._arrivals += 1
+        self.cache.assign(seq.slot)
+        self.running[seq.slot] = seq
+        return seq.slot
+
+    def detach(self, seq: Sequence) -> None:
+        """A request handed to a peer engine leaves: its slot and pages are free."""
+        self.cache.release(seq.slot)
+        del self.running[seq.slot]
+        seq.slot = None
+
+    def draft_prompt(self, seq: Sequence, hidden: torch.Tensor,
+                     selection: torch.Tensor | None) -> None:
+        """The draft layer reads a handed-over prompt from the context engine's trunk rows
+        (h_t, x_{t+1}), in chunks of ``max_num_tokens``, and drafts d_1..d_K after the last: what
+        an aggregated engine's draft layer does after each context chunk."""
+        prompt = seq.prompt
+        nxt = [*prompt[1:], seq.pending]
+        budget = self.config.max_num_tokens
+        for lo in range(0, len(prompt), budget):
+            hi = min(len(prompt), lo + budget)
+            seq.prompt_done = hi   # a chunk before the last one drafts nothing
+            rows = StepOutput(None, hidden[lo:hi],
+                              selection=None if selection is None else selection[lo:hi])
+            self._draft([(seq, Span(seq.slot, 0, hi - lo, lo, "prefill"), nxt[lo:hi])], rows)
+
     def _retire(self) -> None:
         for slot, seq in list(self.running.items()):
             if seq.done:
@@ -473,6 +529,9 @@ class Engine:
     def generate(self, requests: Iterable[Request], *,
                  progress: Callable[[int, int], None] | None = None) -> GenerationReport:
         """Admit every request on its own, run them to completion, report per request."""
+        if self.config.role != "aggregated":
+            raise RuntimeError(f"a {self.config.role} engine serves through the workers of "
+                               f"impl.model.disagg, not generate()")
         requests = list(requests)
         accepted, rejected = admit(requests, self.cfg, self.config)
         results = {r.request_id: GenerationResult(r.request_id) for r in requests}

@@ -56,6 +56,12 @@ Decisions:
 - ``max_batch_size`` must lie in the reach of every catalog ``batch`` axis, ``max_seq_len`` in every
   ``context`` axis, and ``max_num_tokens`` must hold one full verify step (max_batch_size x (K + 1)
   rows) and one decode step.
+- Disaggregated serving (``role``, ``peer``, ``transfer_backend``; impl/model/disagg/): a context
+  engine reads prompts and hands each request's state to a generation engine. The transfer copies
+  pages and states byte for byte, so the peers store them alike (rule
+  ``disaggregated_peers_store_state_alike``); their draft layers agree, or only the generation engine
+  drafts (rule ``disaggregated_draft_layers_agree``); the backend moves the device's tensors: gloo the
+  CPU's, NCCL CUDA's (rule ``transfer_backend_serves_the_device``).
 """
 
 from __future__ import annotations
@@ -86,6 +92,11 @@ StateDtype = Literal["fp32", "bf16", "fp16"]
 MoeBackend = Literal["auto", "triton", "torch", "spec_lowp", "trtllm", "cutedsl"]
 Device = Literal["cpu", "cuda"]
 GdnCommit = Literal["cached", "recompute"]
+Role = Literal["aggregated", "context", "generation"]
+TransferBackend = Literal["gloo", "nccl"]
+
+# the torch.distributed backend that moves a device's tensors between the peers
+TRANSFER_BACKEND_OF_DEVICE: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
 
 # gdn_commit 'recompute' runs at draft lengths up to this: the depth its replay tests certify
 # (tests/engine/test_rollback_replay.py, tests/engine/test_engine.py run it at every K up to it)
@@ -113,6 +124,25 @@ class SpeculativeConfig(BaseModel):
     draft_length: int = Field(ge=1, le=7)
     dynamic_draft_length: bool = False
     index_share: bool = False
+
+
+class PeerConfig(BaseModel):
+    """The other engine of a disaggregated pair, as far as the transfer reads it: how it stores a
+    request's state and whether it drafts."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    model: ModelPreset = "target"
+    model_dtype: ModelDtype = "bf16"
+    kv_cache_dtype: KvCacheDtype = "bf16"
+    state_dtype: StateDtype = "fp32"
+    tokens_per_block: int = Field(TOKENS_PER_BLOCK, ge=1)
+    speculative: SpeculativeConfig | None = None
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> PeerConfig:
+        """What ``config``'s engine is, seen from its peer."""
+        return cls(**{name: getattr(config, name) for name in cls.model_fields})
 
 
 class EngineConfig(BaseModel):
@@ -149,6 +179,13 @@ class EngineConfig(BaseModel):
     gdn_commit: GdnCommit = "cached"
     # op -> numerics tier its variants are chosen from (default 'exact'); rule numerics_tier_runs
     numerics: dict[str, str] = Field(default_factory=dict)
+    # disaggregated serving (impl/model/disagg/): 'context' reads prompts and hands each request to
+    # its peer, 'generation' continues requests handed to it; rules disaggregation_role_has_a_peer,
+    # disaggregated_peers_store_state_alike, disaggregated_draft_layers_agree,
+    # transfer_backend_serves_the_device
+    role: Role = "aggregated"
+    peer: PeerConfig | None = None
+    transfer_backend: TransferBackend | None = None   # None: the device's (gloo on cpu, nccl on cuda)
 
     def tier_of(self, op: str) -> str:
         return self.numerics.get(op, EXACT)
@@ -554,6 +591,78 @@ def _token_budget(c: EngineConfig, ctx: RuleContext) -> str | None:
             f"max_batch_size {c.max_batch_size} x {rows} row(s) = {need}")
 
 
+def _disaggregation_role(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.role == "aggregated":
+        set_ = [n for n in ("peer", "transfer_backend") if getattr(c, n) is not None]
+        if set_:
+            return (f"role 'aggregated' serves its requests alone; {' and '.join(set_)} "
+                    f"{'is' if len(set_) == 1 else 'are'} read only by a context or generation engine")
+        return None
+    if c.peer is None:
+        side = "hands requests to" if c.role == "context" else "continues requests from"
+        return (f"role {c.role!r} {side} a peer engine; peer (how it stores a request's state and "
+                f"whether it drafts) is not set")
+    return None
+
+
+# the EngineConfig fields that fix the bytes a transfer copies
+PEER_STORAGE_FIELDS = ("model", "model_dtype", "kv_cache_dtype", "state_dtype", "tokens_per_block")
+
+
+def _peer_storage(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.role == "aggregated" or c.peer is None:
+        return None
+    diff = [f"{f} is {getattr(c, f)!r} here and {getattr(c.peer, f)!r} at the peer"
+            for f in PEER_STORAGE_FIELDS if getattr(c, f) != getattr(c.peer, f)]
+    if not diff:
+        return None
+    return ("the transfer copies pages and states byte for byte, so both engines must store them "
+            "alike: " + "; ".join(diff))
+
+
+def _peer_draft_layers(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.role == "aggregated" or c.peer is None:
+        return None
+    drafting = (c.speculative, c.peer.speculative)
+    context, generation = drafting if c.role == "context" else drafting[::-1]
+    if context is None:   # no draft layer, or the generation engine's only: it reads the prompt rows
+        return None
+    if generation is None:
+        return ("the context engine drafts (MTP) and the generation engine does not: the drafts and "
+                "the draft layer's planes would be handed to an engine that cannot verify them; "
+                "turn speculation off at the context engine or on at the generation engine")
+    if (context.draft_length, context.index_share) != (generation.draft_length,
+                                                        generation.index_share):
+        return (f"the context engine drafts with draft_length {context.draft_length} and "
+                f"index_share {context.index_share}, the generation engine with draft_length "
+                f"{generation.draft_length} and index_share {generation.index_share}: the handed "
+                f"drafts and draft-layer planes are the context engine's, so both must agree")
+    return None
+
+
+def transfer_backend(c: EngineConfig) -> str:
+    """The torch.distributed backend of ``c``'s transfers: the configured one, else the device's."""
+    return c.transfer_backend or TRANSFER_BACKEND_OF_DEVICE[c.device]
+
+
+def _transfer_backend(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.role == "aggregated":
+        return None
+    backend = transfer_backend(c)
+    serves = TRANSFER_BACKEND_OF_DEVICE[c.device]
+    if backend != serves:
+        return (f"transfer_backend {backend!r} does not move {c.device} tensors between processes "
+                f"(gloo moves CPU tensors, nccl CUDA tensors); the device {c.device!r} needs "
+                f"{serves!r}")
+    import torch.distributed as dist
+
+    available = dist.is_available() and (dist.is_gloo_available() if backend == "gloo"
+                                         else dist.is_nccl_available())
+    if not available:
+        return f"this torch build has no {backend} backend for torch.distributed"
+    return None
+
+
 RULES: list[Rule] = [
     Rule("device_present",
          "The configured device is on this machine (cuda needs a CUDA device).",
@@ -603,6 +712,18 @@ RULES: list[Rule] = [
     Rule("token_budget_holds_a_step",
          "max_num_tokens holds one generation step of max_batch_size requests (K + 1 rows each with "
          "speculation).", _token_budget),
+    Rule("disaggregation_role_has_a_peer",
+         "A context or generation engine names its peer; an aggregated engine names none.",
+         _disaggregation_role),
+    Rule("disaggregated_peers_store_state_alike",
+         "A disaggregated engine and its peer have the same model, model dtype, KV cache dtype, "
+         "state dtype and page size.", _peer_storage),
+    Rule("disaggregated_draft_layers_agree",
+         "Both peers draft with the same draft length and IndexShare setting, or only the "
+         "generation engine drafts.", _peer_draft_layers),
+    Rule("transfer_backend_serves_the_device",
+         "The transfer backend moves the device's tensors (gloo on cpu, nccl on cuda) and this torch "
+         "build has it.", _transfer_backend),
 ]
 
 
@@ -686,6 +807,8 @@ def _fmt_config(c: EngineConfig) -> str:
             f"block_reuse={c.enable_block_reuse} speculative={spec} "
             f"batch_invariant={c.batch_invariant} moe_expert_copy={c.moe_expert_copy} "
             f"gdn_commit={c.gdn_commit}"
+            + (f" role={c.role} transfer_backend={transfer_backend(c)}" if c.role != "aggregated"
+               else "")
             + "".join(f" numerics[{op}]={tier}" for op, tier in sorted(c.numerics.items())))
 
 

@@ -50,3 +50,31 @@ def test_out_of_pages_takes_none():
     assert torch.equal(pool.block_table[1], torch.full((8,), -1, dtype=torch.int32))
     with pytest.raises(OutOfPages, match="more than"):
         pool.ensure(1, 9 * PAGE)
+
+
+class _Recording:
+    """A block table that records how many entries each write covers."""
+
+    def __init__(self, table: torch.Tensor):
+        self.table = table
+        self.written: list[int] = []
+
+    def __getitem__(self, key):
+        return self.table[key]
+
+    def __setitem__(self, key, value):
+        self.written.append(self.table[key].numel())
+        self.table[key] = value
+
+
+def test_release_writes_only_the_entries_the_slot_held():
+    """Releasing a slot costs its pages, not its row (8192 entries here): a request that leaves,
+    finished or handed to a peer engine, resets only the table entries it held."""
+    pool = PagePool(num_pages=8192, slots=2, pages_per_slot=8192)
+    pool.ensure(0, 3 * PAGE)
+    pool.ensure(1, PAGE)
+    pool.block_table = recording = _Recording(pool.block_table)
+    assert pool.release(0) == [8191, 8190, 8189]
+    assert recording.written == [3]
+    assert recording.table[0].tolist() == [-1] * 8192
+    assert recording.table[1, :2].tolist() == [8188, -1]
