@@ -29,6 +29,11 @@ def _cmd_lists(args: argparse.Namespace) -> int:
             print(f"collection failed (exit {rc}): run `pytest --collect-only` to see why")
             return 1
         print(f"wrote {out.relative_to(paths.root)}")
+        from certify.lists.records import load_items, prune_durations  # noqa: PLC0415
+        dropped = prune_durations(paths.lists / "durations.json",
+                                  {r["id"] for r in load_items(out)})
+        if dropped:
+            print(f"dropped the durations of {len(dropped)} item(s) no longer collected")
     try:
         inp = load_inputs(paths)
     except (FileProblem, NotUtf8Error) as e:

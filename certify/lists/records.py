@@ -82,7 +82,8 @@ def durations_text(durations: dict[str, float]) -> str:
     body = {"format": DURATIONS_FORMAT,
             "note": "seconds per item (setup + call + teardown) measured by `pytest --record-durations`"
                     " (CI-like: -n 2 on two cores); skipped items are not measured; a new run "
-                    "overwrites the items it ran and keeps the others",
+                    "overwrites the items it ran and keeps the others; `certify lists --collect` "
+                    "drops the items no longer collected",
             "durations": {k: round(max(v, 0.005), 2) for k, v in sorted(durations.items())}}
     return json.dumps(body, indent=1, sort_keys=True) + "\n"
 
@@ -95,6 +96,20 @@ def record_durations(path: Path, measured: dict[str, float]) -> None:
         merged = load_durations(path)
         merged.update(measured)
         atomic_write_text(path, durations_text(merged))
+
+
+def prune_durations(path: Path, items: set[str]) -> list[str]:
+    """Drop the measurements of items that are no longer collected (renamed or removed tests), under
+    the directory's lock; return the dropped ids. Without this an old id's seconds would stay in the
+    file for ever and a later item of the same id would inherit them."""
+    path = Path(path)
+    with locked(path.parent):
+        durations = load_durations(path)
+        dropped = sorted(k for k in durations if k not in items)
+        if dropped:
+            atomic_write_text(path, durations_text({k: v for k, v in durations.items()
+                                                    if k in items}))
+    return dropped
 
 
 # ------------------------------------------------------------------------------ the lists as data
