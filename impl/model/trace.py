@@ -41,7 +41,8 @@ from certify.reach.scenarios import ScenarioBase
 from certify.catalog.schema import EXACT, Variant
 from impl.model.cache import PAGE, EngineCache, scrub_pages, truncate_planes
 from impl.model.dispatch import DispatchError, Dispatcher, OpCall
-from impl.model.engine_config import EngineConfig, RuleContext, SpeculativeConfig, check
+from impl.model.engine_config import (EngineConfig, MoeBackend, RuleContext, SpeculativeConfig,
+                                      check)
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import Ops
 from spec.config import ModelConfig
@@ -91,6 +92,7 @@ class Scenario(ScenarioBase):
                                                                "(default: all)")
     index_share: bool = False
     gdn_commit: Literal["cached", "recompute"] = "cached"
+    moe_backend: MoeBackend = "auto"
     max_num_tokens: int = Field(8192, ge=1)
 
     @model_validator(mode="after")
@@ -142,7 +144,7 @@ class Scenario(ScenarioBase):
                             state_dtype=self.state_dtype, max_batch_size=self.requests,
                             max_num_tokens=self.max_num_tokens, max_seq_len=self.max_context,
                             speculative=spec, batch_invariant=mode.batch_invariant,
-                            gdn_commit=self.gdn_commit)
+                            gdn_commit=self.gdn_commit, moe_backend=self.moe_backend)
 
 
 # ------------------------------------------------------------------------------------- the forward
@@ -355,7 +357,8 @@ class Tracer:
             return out
         calls = forward_calls(scenario, catalog)
         for mode in runnable:
-            d = Dispatcher(catalog, mode.arch, batch_invariant=mode.batch_invariant)
+            d = Dispatcher(catalog, mode.arch, batch_invariant=mode.batch_invariant,
+                           pinned=scenario.engine_config(mode).pinned_variants())
             d.start_trace()
             no_variant: dict[str, str] = {}
             for c in calls:  # past a call no variant runs, to record what the others dispatch

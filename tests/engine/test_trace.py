@@ -93,3 +93,15 @@ def test_a_mode_the_engine_refuses_is_recorded_with_the_rules_reason():
     assert "ops_run_on_the_arch" in refused and "of moe runs on sm_90" in refused, refused
     # the project's catalog runs it
     assert TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])["sm_90/batch_invariant"].refused is None
+
+
+def test_a_scenario_naming_the_moe_backend_traces_that_variant_in_every_mode():
+    def moe_variants(backend: str) -> dict[str, set[str]]:
+        sc = Scenario(name="s", why="a named MoE backend", decode=[{"requests": 4, "context": 64}],
+                      moe_backend=backend)
+        traces = TRACER.trace(sc, CATALOG, [Mode("cpu", False), Mode("sm_90", False)])
+        return {k: {v for op, v, _ in t.calls if op == "moe"} for k, t in traces.items()}
+
+    assert moe_variants("torch") == {"cpu": {"torch"}, "sm_90": {"torch"}}
+    # without a name each arch's dispatch rules choose, and on sm_90 they choose another variant
+    assert moe_variants("auto")["sm_90"] != {"torch"}
