@@ -6,7 +6,8 @@ own inputs.
   integers (``second_ngram_rows``, which ``ple_ngram_hash`` is checked against): ids before the
   start are the pad id, products wrap modulo 2^64, heads ordered order 2's then order 3's.
 - ``ple_embed_op`` against the explicit gather per token and layer (``second_ple_embed``).
-- ``is_prime`` against a deterministic Miller-Rabin test; ``ple_history_init`` against ``[pad, pad]``.
+- ``is_prime`` against a deterministic Miller-Rabin test; ``ple_history_init`` against
+  ``[pad, pad]``.
 """
 
 from __future__ import annotations

@@ -239,7 +239,8 @@ def _selections(seed: int, n: int = 60, width: int = 6, blocks: int = 20):
     gen = torch.Generator().manual_seed(seed)
     positions = torch.randint(0, TPB * blocks, (n,), generator=gen)
     positions[:6] = torch.tensor([0, 31, 32, 63, 64, TPB * blocks - 1])
-    sel = torch.randint(-1, blocks, (n, width), generator=gen)      # -1 padding, duplicates, any order
+    # -1 padding, duplicate ids, any order
+    sel = torch.randint(-1, blocks, (n, width), generator=gen)
     ctx = positions + 1 - torch.randint(0, 40, (n,), generator=gen).clamp(max=positions)
     return sel, positions, ctx
 

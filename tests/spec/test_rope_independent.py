@@ -65,9 +65,9 @@ def _angles(positions: torch.Tensor, vl) -> torch.Tensor:
 
 
 def public_qk_norm_rope(q, k, w_q, w_k, positions, nxt, vl):
-    """Qwen3-Next's RMSNorm and rotary embedding: float64 inputs stay float64 (the norm's ``_norm``
-    and ``(1 + w)``, the rotation in float64); bf16 inputs go through the norm module (fp32 math, one
-    cast) and rotate in fp32 with fp32 cos / sin, cast to bf16 once."""
+    """Qwen3-Next's RMSNorm and rotary embedding: float64 inputs stay float64 (the norm's
+    ``_norm`` and ``(1 + w)``, the rotation in float64); bf16 inputs go through the norm module
+    (fp32 math, one cast) and rotate in fp32 with fp32 cos / sin, cast to bf16 once."""
     ang = _angles(positions, vl)
     cos = torch.cat([torch.cos(ang)] * 2, dim=-1)
     sin = torch.cat([torch.sin(ang)] * 2, dim=-1)
@@ -100,7 +100,8 @@ def test_qk_norm_rope_float64_equals_qwen3_next_norm_and_rotary():
     # Angles reach 1.3e5 rad at 131K positions, where the two sides' angles (the spec's
     # torch.pow against Python's **) may differ by an ulp of inv_freq: 2 x 1.1e-16 x 1.3e5 = 3e-11
     # rad, so outputs of magnitude <= 4 (normalised, |1 + w| < 2) differ by at most ~1.2e-10.
-    # Measured: 0 (the same bits on these inputs). ATOL 1e-9; a wrong pairing or the plain (1 + w -> w) weight is off by O(1).
+    # Measured: 0 (the same bits on these inputs). ATOL 1e-9; a wrong pairing or the plain
+    # weight w in place of 1 + w is off by O(1).
     nxt, vl = _transformers()
     gen, q, k, w_q, w_k = _inputs(51, 9, F64)
     plain = torch.randint(0, 131072, (9,), generator=gen)

@@ -27,7 +27,7 @@ MARKER = "second_formulation"
 # Public spec/ops functions that compute nothing a second formulation could restate: each is
 # exempt with the reason.
 EXEMPT = {
-    "spec.ops.qsa:empty_planes": "allocates NaN-filled planes of given shapes; the QSA tests read them",
+    "spec.ops.qsa:empty_planes": "allocates NaN-filled planes of given shapes; QSA tests read them",
 }
 
 
