@@ -55,6 +55,11 @@ def _marked() -> dict[str, list[str]]:
     return found
 
 
+HOW = ("\nwrite each one a second time from docs/spec.md in another form (a loop, the recurrent or "
+       "chunked form, a public implementation), compare the two in a test under tests/spec/ and mark "
+       "it @pytest.mark.second_formulation(\"module:function\")")
+
+
 def _checked(found: dict[str, list[str]], target: str) -> bool:
     return any("(does not call it)" not in w for w in found.get(target, []))
 
@@ -77,13 +82,15 @@ def test_every_catalog_op_and_tier_has_its_spec_checked_by_a_second_formulation(
     for name, op in sorted(catalog.ops.items()):
         paths = [("exact", op.spec)] + [(tier, t.spec) for tier, t in sorted(op.numerics.items())]
         missing += [f"{name} [{tier}]: {path}" for tier, path in paths if not _checked(found, path)]
-    assert not missing, "spec functions with no second formulation checked:\n" + "\n".join(missing)
+    assert not missing, ("spec functions with no second formulation checked:\n"
+                         + "\n".join(missing) + HOW)
 
 
 def test_every_public_spec_function_has_a_second_formulation_or_an_exemption():
     found = _marked()
     missing = [p for p in _public_spec_functions() if p not in EXEMPT and not _checked(found, p)]
-    assert not missing, "spec functions with no second formulation checked:\n" + "\n".join(missing)
+    assert not missing, ("spec functions with no second formulation checked:\n"
+                         + "\n".join(missing) + HOW)
 
 
 def test_every_marker_names_an_existing_function_that_its_test_calls():
