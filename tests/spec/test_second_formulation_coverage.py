@@ -55,9 +55,9 @@ def _marked() -> dict[str, list[str]]:
     return found
 
 
-HOW = ("\nwrite each one a second time from docs/spec.md in another form (a loop, the recurrent or "
-       "chunked form, a public implementation), compare the two in a test under tests/spec/ and mark "
-       "it @pytest.mark.second_formulation(\"module:function\")")
+HOW = ("\nwrite each one a second time from docs/spec.md in another form (a loop, the recurrent "
+       "or chunked form, a public implementation), compare the two in a test under tests/spec/ "
+       "and mark it @pytest.mark.second_formulation(\"module:function\")")
 
 
 def _checked(found: dict[str, list[str]], target: str) -> bool:
