@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from spec.ops.gdn import (causal_conv1d, causal_conv1d_update, gdn_gates, gdn_recurrent,
@@ -103,6 +104,7 @@ def second_gated_rmsnorm(o: torch.Tensor, z: torch.Tensor, w: torch.Tensor, eps:
     return (n * g).to(act)
 
 
+@pytest.mark.second_formulation("spec.ops.norms:rmsnorm")
 def test_rmsnorm_equals_per_row_loop_and_eps_sits_inside_the_sqrt():
     gen = _gen(101)
     for shape in [(3, 16), (2, 5, 64), (1, 7)]:
@@ -116,6 +118,7 @@ def test_rmsnorm_equals_per_row_loop_and_eps_sits_inside_the_sqrt():
         assert not _close(second_rmsnorm(x, w, 1e-6, plain_weight=True), spec)
 
 
+@pytest.mark.second_formulation("spec.ops.norms:rmsnorm")
 def test_rmsnorm_bf16_is_the_float64_loop_rounded_once():
     # fp32 math then one cast: equal to the float64 result rounded once to bf16, except where fp32's
     # own error (~1e-7 relative) moves a value across a bf16 rounding boundary (rare, one ulp).
@@ -130,6 +133,7 @@ def test_rmsnorm_bf16_is_the_float64_loop_rounded_once():
     assert ((spec.float() - mine.float()).abs() <= mine.float().abs() * 2 ** -7).all()
 
 
+@pytest.mark.second_formulation("spec.ops.norms:gated_rmsnorm")
 def test_gated_rmsnorm_float64_equals_per_row_loop():
     gen = _gen(103)
     o = torch.randn(2, 3, 6, 32, generator=gen, dtype=F64)
@@ -144,6 +148,7 @@ def test_gated_rmsnorm_float64_equals_per_row_loop():
     assert not _close(second_gated_rmsnorm(o, z, 1.0 + w, 1e-6), spec)
 
 
+@pytest.mark.second_formulation("spec.ops.norms:gated_rmsnorm")
 def test_gated_rmsnorm_bf16_rounds_after_the_weighted_norm_and_at_the_end():
     # o fp32, z bf16 (and z fp32 with out_dtype=bf16): the spec computes in fp32 and rounds to bf16
     # twice. The float64 loop rounded at the same two points agrees except where fp32's own error
@@ -188,6 +193,7 @@ def second_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias:
             torch.tensor(beta, dtype=F64).reshape(b.shape))
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:gdn_gates")
 def test_gdn_gates_equal_the_closed_scalar_formulas():
     gen = _gen(201)
     a = 3.0 * torch.randn(2, 5, 6, generator=gen, dtype=F64)
@@ -202,6 +208,7 @@ def test_gdn_gates_equal_the_closed_scalar_formulas():
     assert not _close(second_gates(a, -b, A_log, dt_bias)[1], beta)
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:gdn_gates")
 def test_gdn_softplus_threshold_is_20_and_exact_above_it():
     # With A_log = 0 (e^0 = 1 exactly) g is -softplus itself; above the threshold softplus returns its
     # argument, which log(1 + e^x) does not (it adds e^-x > half an ulp of x for x < 36): bitwise.
@@ -228,6 +235,7 @@ def second_l2norm(x: torch.Tensor, eps: float, eps_outside_sqrt: bool = False) -
     return torch.tensor(out, dtype=F64).reshape(x.shape)
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:l2norm")
 def test_l2norm_equals_per_vector_loop_with_eps_inside_the_sqrt():
     gen = _gen(203)
     x = torch.randn(2, 4, 3, 16, generator=gen, dtype=F64)
@@ -268,6 +276,7 @@ def second_conv(x: torch.Tensor, weight: torch.Tensor, conv_state: torch.Tensor 
     return y, state
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:causal_conv1d")
 def test_causal_conv1d_equals_time_loop_with_and_without_state():
     gen = _gen(301)
     C = 5
@@ -285,6 +294,7 @@ def test_causal_conv1d_equals_time_loop_with_and_without_state():
         assert not _close(second_conv(x, weight, None)[0], causal_conv1d(x, weight, state)[0])
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:causal_conv1d_update")
 def test_causal_conv1d_update_is_the_last_step_of_the_concatenated_window():
     gen = _gen(302)
     B, C = 3, 6
@@ -345,6 +355,7 @@ def _gdn_inputs(seed: int, B=2, T=6, HK=2, HV=6, K=8, V=8):
     return q, k, v, g, beta, state
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:gdn_recurrent")
 def test_gdn_recurrent_equals_the_transition_matrix_form_per_head():
     # Values stay O(1) (|exp(g)| <= 1, beta in (0, 1), unit keys); six steps of K = 8 dot products
     # keep both forms within ~1e-14 of each other, well inside rtol 1e-12 / atol 1e-13.
@@ -365,6 +376,7 @@ def test_gdn_recurrent_equals_the_transition_matrix_form_per_head():
                       gdn_recurrent(q, k, v, g, beta, state)[0])
 
 
+@pytest.mark.second_formulation("spec.ops.gdn:gdn_recurrent")
 def test_gdn_recurrent_grouping_with_one_key_head_per_three_value_heads():
     # The target's GVA ratio 3 with HK = 3, HV = 9: head map h // 3, against the wrong h % 3.
     q, k, v, g, beta, state = _gdn_inputs(402, B=1, T=5, HK=3, HV=9, K=4, V=6)
@@ -399,6 +411,7 @@ def second_neox_rope(x: torch.Tensor, angles: torch.Tensor, pairing: str = "neox
     return out
 
 
+@pytest.mark.second_formulation("spec.ops.rope:apply_neox_rope")
 def test_apply_neox_rope_equals_complex_multiplication_on_the_halves():
     gen = _gen(501)
     T, H, D, half = 5, 3, 24, 8                 # partial rotary: 16 of 24 dims rotate
@@ -441,6 +454,7 @@ def second_angles(positions: torch.Tensor, rotary_dim: int, theta: float,
     return out
 
 
+@pytest.mark.second_formulation("spec.ops.rope:inv_freq")
 def test_inv_freq_is_theta_to_the_minus_2j_over_r():
     for r, theta in [(64, 1e7), (16, 1e4), (2, 1e6)]:
         spec = inv_freq(r, theta)
@@ -452,6 +466,7 @@ def test_inv_freq_is_theta_to_the_minus_2j_over_r():
         assert spec[0].item() == 1.0
 
 
+@pytest.mark.second_formulation("spec.ops.rope:rope_angles")
 def test_rope_angles_plain_and_interleaved_mrope_equal_the_closed_formula():
     gen = _gen(502)
     # Positions up to 131K: float64 angles keep ~1e-11 rad absolute there, so compare relatively.

@@ -46,6 +46,7 @@ import math
 import random
 import struct
 
+import pytest
 import torch
 
 from spec.ops.hc import (hc_first_projection, hc_inject_norm, hc_pre, hc_up_projection,
@@ -184,6 +185,7 @@ def second_up_projection(X: torch.Tensor, y: torch.Tensor, h_res: torch.Tensor, 
     return torch.tensor(streams, dtype=F64), torch.tensor(means, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.hc:hc_inject_norm")
 def test_hc_inject_norm_equals_per_token_loop():
     gen = _gen(301)
     X = torch.randn(5, 4, 6, generator=gen, dtype=F64)
@@ -197,6 +199,7 @@ def test_hc_inject_norm_equals_per_token_loop():
     assert not _close(second_inject_norm(X, eps_outside_sqrt=True)[1], r)
 
 
+@pytest.mark.second_formulation("spec.ops.hc:sinkhorn")
 def test_sinkhorn_equals_alternating_normalisation_loop():
     gen = _gen(302)
     M = torch.exp(1.5 * torch.randn(3, 4, 4, generator=gen, dtype=F64))
@@ -213,6 +216,7 @@ def test_sinkhorn_equals_alternating_normalisation_loop():
     assert not torch.allclose(one_round.sum(dim=-2), torch.ones(3, 4, dtype=F64), atol=1e-6)
 
 
+@pytest.mark.second_formulation("spec.ops.hc:hc_first_projection")
 def test_hc_first_projection_equals_per_token_logits():
     gen = _gen(303)
     n, C, T = 4, 3, 4
@@ -230,6 +234,7 @@ def test_hc_first_projection_equals_per_token_logits():
                       spec.h_post)
 
 
+@pytest.mark.second_formulation("spec.ops.hc:hc_pre")
 def test_hc_pre_equals_per_channel_weighted_sum():
     gen = _gen(304)
     X = torch.randn(3, 4, 8, generator=gen, dtype=F64)
@@ -248,6 +253,7 @@ def test_hc_pre_equals_per_channel_weighted_sum():
     assert ((spec16.float() - mine16.float()).abs() <= mine16.float().abs() * 2 ** -7).all()
 
 
+@pytest.mark.second_formulation("spec.ops.hc:hc_up_projection")
 def test_hc_up_projection_equals_per_stream_loop():
     gen = _gen(305)
     X = torch.randn(3, 4, 5, generator=gen, dtype=F64)
@@ -302,6 +308,7 @@ def _ple_cfg(seed: int) -> NgramHashConfig:
                            primes=((5, 7), (11, 13)), pad_id=3)
 
 
+@pytest.mark.second_formulation("spec.ops.ple:ple_ngram_ids", "spec.ops.ple:ple_history_advance")
 def test_ple_ngram_ids_and_history_equal_list_windows():
     gen = _gen(401)
     for T in (1, 4, 0):
@@ -324,6 +331,7 @@ def test_ple_ngram_ids_and_history_equal_list_windows():
     assert spec.tolist() != second_ngram_ids(ids.tolist(), [h[::-1] for h in hist.tolist()])
 
 
+@pytest.mark.second_formulation("spec.ops.ple:ple_ngram_hash")
 def test_ple_ngram_rows_equal_python_integer_hash():
     # Large ids (up to 2^62) make every product wrap modulo 2^64.
     cfg = _ple_cfg(402)
@@ -371,6 +379,7 @@ def second_ple_embed(ids, history, x_emb, table, ngram_table, w_ple, norm_w, cfg
     return torch.tensor(out, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.ple:ple_embed")
 def test_ple_embed_equals_explicit_gather_per_token_and_layer():
     cfg = _ple_cfg(403)
     gen = _gen(403)
@@ -411,6 +420,7 @@ def second_ple_apply(x, e_l, w_gate, w_out, norm_w, gelu=_gelu_tanh) -> torch.Te
     return torch.tensor(out, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.ple:ple_apply")
 def test_ple_apply_equals_per_token_gated_update():
     gen = _gen(404)
     T, C, P = 3, 8, 4
@@ -469,6 +479,7 @@ def second_dense_gqa(q, k, v, gate, interleaved_heads: bool = False,
     return torch.tensor(out, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.qsa:dense_causal_gqa")
 def test_dense_causal_gqa_equals_per_query_head_loop():
     gen = _gen(501)
     T, n_q, n_kv, D = 5, 4, 2, 8
@@ -502,6 +513,7 @@ def second_sparse_gqa(q, gate, tokens, seq_ids, k_seq, v_seq, interleaved_heads:
     return torch.tensor(out, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.qsa:qsa_sparse_gqa")
 def test_qsa_sparse_gqa_equals_per_query_loop_over_selected_tokens():
     gen = _gen(502)
     n_q, n_kv, D, idx_dim = 4, 2, 8, 4
@@ -560,6 +572,7 @@ def second_index_scores(q_index, w_index, seq_ids, positions, block_table, block
     return torch.tensor(out, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.qsa:qsa_index_scores")
 def test_qsa_index_scores_equal_per_block_head_loop():
     gen = _gen(503)
     block_table = torch.tensor([[3, 0, 2, 5], [1, 4, -1, -1]], dtype=torch.int32)
@@ -599,6 +612,7 @@ def second_logits_cast(x: torch.Tensor, truncate: bool = False) -> torch.Tensor:
     return torch.tensor(out, dtype=torch.float32).reshape(x.shape)
 
 
+@pytest.mark.second_formulation("spec.ops.mtp:logits_cast")
 def test_logits_cast_equals_bitwise_round_to_bf16():
     gen = _gen(601)
     x32 = 8.0 * torch.randn(6, 33, generator=gen)
@@ -630,6 +644,7 @@ def second_argmax(x: torch.Tensor, highest: bool = False) -> torch.Tensor:
                         dtype=torch.int64).reshape(x.shape[:-1])
 
 
+@pytest.mark.second_formulation("spec.ops.mtp:greedy_argmax")
 def test_greedy_argmax_equals_linear_scan_with_lowest_index_ties():
     gen = _gen(602)
     x = torch.randint(-3, 3, (12, 7), generator=gen).double()   # small integers: many ties
@@ -663,6 +678,7 @@ def second_verify(logits, drafts, draft_lens, off_by_one: bool = False):
     return preds, n_acc, emitted
 
 
+@pytest.mark.second_formulation("spec.ops.mtp:greedy_verify")
 def test_greedy_verify_equals_per_request_accept_loop():
     gen = _gen(603)
     R, K, V = 6, 4, 5
@@ -684,6 +700,7 @@ def test_greedy_verify_equals_per_request_accept_loop():
     assert spec.num_accepted.tolist() != second_verify(logits, drafts, lens, off_by_one=True)[1]
 
 
+@pytest.mark.second_formulation("spec.ops.mtp:acceptance_length")
 def test_acceptance_length_is_the_fsum_mean():
     values = [1, 3, 2, 5, 1, 1, 4]
     al = acceptance_length(torch.tensor(values))
@@ -705,6 +722,7 @@ def second_draft_input(next_token, h_prev, embed, norm_emb_w, norm_h_w, fc_w,
     return torch.tensor(out, dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.mtp:mtp_draft_input")
 def test_mtp_draft_input_equals_per_token_concat_projection():
     gen = _gen(604)
     T, C, V = 3, 6, 11
@@ -732,6 +750,7 @@ def second_linear(x: torch.Tensor, w: torch.Tensor, transposed: bool = False) ->
     return torch.tensor([[_dot(row, col) for col in cols] for row in xs], dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.linear:linear")
 def test_linear_equals_per_output_fsum_dot():
     gen = _gen(701)
     x = torch.randn(4, 6, generator=gen, dtype=F64)
@@ -776,6 +795,7 @@ def second_nvfp4_linear(x, w_packed, w_sf, w_gs, x_gs, high_first: bool = False)
     return torch.tensor([[_dot(xr, wr) for wr in wd] for xr in xd], dtype=F64)
 
 
+@pytest.mark.second_formulation("spec.ops.moe:nvfp4_linear")
 def test_nvfp4_linear_equals_per_element_decode_and_fsum_dot():
     gen = _gen(702)
     x = torch.randn(3, 32, generator=gen, dtype=F64)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import math
 import struct
 
+import pytest
 import torch
 
 from spec.ops.kv_storage import (
@@ -127,6 +128,7 @@ def _fp8_inputs(seed: int, n: int = 1500) -> list[float]:
     return values + edge + [-v for v in edge] + [-0.0]
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:fp8_quantize")
 def test_fp8_quantize_matches_torch_e4m3fn_cast_and_brute_force_fp32():
     xs = _fp8_inputs(seed=11)
     x = torch.tensor(xs + [math.nan], dtype=F32)
@@ -145,6 +147,7 @@ def test_fp8_quantize_matches_torch_e4m3fn_cast_and_brute_force_fp32():
     assert spec != [e4m3_nearest_byte(v, saturate=False) for v in x.tolist()]
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:fp8_quantize")
 def test_fp8_quantize_float64_rounds_once_like_brute_force():
     g = _gen(12)
     xs = _fp8_inputs(seed=13)
@@ -160,6 +163,7 @@ def test_fp8_quantize_float64_rounds_once_like_brute_force():
     assert spec != through_fp32
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:fp8_dequantize")
 def test_fp8_dequantize_matches_bit_layout_table_for_all_256_codes():
     codes = torch.arange(256, dtype=torch.uint8).view(FP8)
     for dtype in (F64, F32, torch.float16, torch.bfloat16):
@@ -205,6 +209,7 @@ def _e2m1_inputs(seed: int, n: int = 2000) -> list[float]:
     return rand + edge + [-v for v in edge] + [math.nan]
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:e2m1_encode")
 def test_e2m1_encode_is_brute_force_nearest_ties_to_even():
     xs = _e2m1_inputs(seed=21)
     for dtype in (F32, F64):
@@ -216,6 +221,7 @@ def test_e2m1_encode_is_brute_force_nearest_ties_to_even():
         assert spec != [e2m1_nearest_code(v, ties="up") for v in vals], dtype
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:e2m1_decode")
 def test_e2m1_decode_is_signed_table_lookup():
     codes = torch.arange(16, dtype=torch.uint8)
     expected = [(-1.0 if c & 8 else 1.0) * E2M1_VALUES[c & 7] for c in range(16)]
@@ -227,6 +233,8 @@ def test_e2m1_decode_is_signed_table_lookup():
     assert _bits(e2m1_decode(codes, F32)) != _bits(torch.tensor(wrong, dtype=F32))
 
 
+@pytest.mark.second_formulation(
+    "spec.ops.kv_storage:pack_nibbles", "spec.ops.kv_storage:unpack_nibbles")
 def test_pack_and_unpack_nibbles_are_per_element_bit_arithmetic():
     g = _gen(31)
     codes = torch.randint(0, 16, (7, 5, 32), generator=g, dtype=torch.uint8)
@@ -301,6 +309,7 @@ def _nvfp4_inputs(seed: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Te
     return x.reshape(6, 128).to(dtype), torch.tensor(gs, dtype=F32)
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:nvfp4_quantize")
 def test_nvfp4_quantize_matches_per_block_python_floats():
     for dtype, seed in ((F64, 41), (F32, 42)):
         x, gs = _nvfp4_inputs(seed, dtype)
@@ -317,6 +326,7 @@ def test_nvfp4_quantize_matches_per_block_python_floats():
         assert spec_scales != wrong, dtype
 
 
+@pytest.mark.second_formulation("spec.ops.kv_storage:nvfp4_dequantize")
 def test_nvfp4_dequantize_is_code_times_scale_times_global_scale():
     x, gs = _nvfp4_inputs(43, F32)
     packed, sf = nvfp4_quantize(x, gs)
@@ -377,6 +387,7 @@ def _qsa_cases(seed: int, n_rows: int = 300, n_cols: int = 40):
     return scores, positions
 
 
+@pytest.mark.second_formulation("spec.ops.qsa:select_row")
 def test_select_row_equals_selection_by_sorting():
     scores, positions = _qsa_cases(51)
     mismatches = {"drop_sink": 0, "ties_low": 0}
@@ -392,6 +403,7 @@ def test_select_row_equals_selection_by_sorting():
     assert all(n > 0 for n in mismatches.values()), mismatches
 
 
+@pytest.mark.second_formulation("spec.ops.qsa:qsa_select")
 def test_qsa_select_rows_are_the_sorted_sets_padded_with_minus_one():
     scores, positions = _qsa_cases(52, n_rows=120)
     k, sink, local = 5, 1, 2
@@ -407,6 +419,7 @@ def test_qsa_select_rows_are_the_sorted_sets_padded_with_minus_one():
     assert wrong_rows > 0
 
 
+@pytest.mark.second_formulation("spec.ops.qsa:window_blocks", "spec.ops.qsa:num_complete_blocks")
 def test_window_blocks_and_num_complete_blocks_equal_enumeration():
     wrong_window = wrong_count = 0
     for t in range(0, 32 * 12):
@@ -453,6 +466,7 @@ def _k_gap(x: list[float], w: list[list[float]], k: int) -> float:
     return (p[k - 1] - p[k]) / p[k - 1]
 
 
+@pytest.mark.second_formulation("spec.ops.moe:moe_route")
 def test_moe_route_equals_sorted_float64_softmax_renormalised():
     for dtype, seed in ((F64, 61), (F32, 62)):
         x, w = _route_inputs(seed, dtype)
@@ -498,6 +512,7 @@ def shared_expert_formula(x: list[float], wg: list[list[float]], wu: list[list[f
     return [gate * dot(r, h) for r in wd]
 
 
+@pytest.mark.second_formulation("spec.ops.moe:moe_shared_expert")
 def test_moe_shared_expert_equals_explicit_swiglu_in_float64():
     g = _gen(71)
     C, I = 32, 48
@@ -535,6 +550,7 @@ def _u64_from_limbs(limbs: list[int]) -> int:
     return sum((limb & 0xFFFF) << (16 * k) for k, limb in enumerate(limbs))
 
 
+@pytest.mark.second_formulation("spec.ops.ple:ngram_hash_u64")
 def test_ngram_hash_u64_equals_python_integer_arithmetic():
     g = _gen(81)
     ids = torch.randint(0, 2 ** 31, (200, 3), generator=g, dtype=torch.int64)
