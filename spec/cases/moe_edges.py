@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from certify.harness.target import Case, OutSpec
-from spec.cases.moe import ACT, _hidden_rows, _router
+from spec.cases.moe import ACT, _hidden_rows, _router, experts_case
 
 NEAR_TIE_GAP = 1e-9   # |float64 logit gap| the tuned pairs end below (the fp32 logits err by ~1e-6)
 UNDERFLOW_SPREAD = 130.0  # logit spread of the underflow rows: fp32 exp(l - m) is 0 below -103.3
@@ -67,3 +67,32 @@ def route_near_ties_case(axes: dict, gen: torch.Generator, device) -> Case:
     return Case(inputs={"x": x.to(ACT).to(device), "w_router": w.to(ACT).to(device), "top_k": k},
                 outputs={"expert_ids": OutSpec((T, k), torch.int64),
                          "weights": OutSpec((T, k), torch.float32)})
+
+
+NVFP4_BLOCK = 16
+ZERO_WEIGHT_BLOCKS = 8  # all-zero blocks planted in each matrix of every expert
+
+
+def experts_zero_blocks_case(axes: dict, gen: torch.Generator, device) -> Case:
+    """moe_nvfp4_experts' case (spec.cases.moe.experts_case) with all-zero nvfp4 blocks: row T // 2 of
+    x all zeros (a padding token: every block of its x and of its h is zero, scale 0 and codes 0),
+    one 16-element block of zeros in each other row of x (block t mod C/16 of row t), and in every
+    expert's gate, up and down matrices the blocks (r, r) for r < 8 stored as all-zero (scale byte
+    0, codes 0). The ids and weights stay the router's on the drawn x."""
+    case = experts_case(axes, gen, torch.device("cpu"))
+    x = case.inputs["x"].clone()
+    T, C = x.shape
+    for t in range(T):
+        b = t % (C // NVFP4_BLOCK)
+        x[t, NVFP4_BLOCK * b:NVFP4_BLOCK * (b + 1)] = 0.0
+    x[T // 2] = 0.0
+    case.inputs["x"] = x
+    for name in ("gate", "up", "down"):
+        packed, sf = case.inputs[f"{name}_packed"].clone(), case.inputs[f"{name}_sf"].clone()
+        for r in range(ZERO_WEIGHT_BLOCKS):
+            sf[:, r, r] = 0
+            packed[:, r, (NVFP4_BLOCK // 2) * r:(NVFP4_BLOCK // 2) * (r + 1)] = 0
+        case.inputs[f"{name}_packed"], case.inputs[f"{name}_sf"] = packed, sf
+    case.inputs = {k: (v.to(device) if isinstance(v, torch.Tensor) else v)
+                   for k, v in case.inputs.items()}
+    return case
