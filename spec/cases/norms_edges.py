@@ -8,6 +8,8 @@ import torch
 from certify.harness.target import Case
 from spec.cases.gdn import gated_norm_case
 from spec.cases.norms import rmsnorm_case
+from spec.cases.ple import apply_case
+from spec.cases.rope import qk_norm_rope_case
 
 # Vector RMS values of the near-zero rows, around the norms' eps = 1e-6 on the mean square: from
 # eps alone (1e-5) to the vector dominating it (1e-2).
@@ -15,11 +17,12 @@ NEAR_ZERO_RMS = (1e-5, 1e-4, 1e-3, 1e-2)
 SUBNORMAL = 1e-39  # below fp32's (and bf16's) smallest normal 1.18e-38: its square underflows to 0
 
 
-def plant_small_vectors(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+def plant_small_vectors(x: torch.Tensor, gen: torch.Generator, subnormal: bool = True
+                        ) -> torch.Tensor:
     """x [..., D] with the first half of its vectors (over the leading dims, in order) replaced: a
-    zero vector, a -0.0 vector, a vector holding a single nonzero 1e-3, a vector of subnormals, and
-    then the random vectors scaled to the RMS values of NEAR_ZERO_RMS in turn. Returns a new tensor
-    of x's dtype."""
+    zero vector, a -0.0 vector, a vector holding a single nonzero 1e-3, a vector of subnormals (or,
+    without ``subnormal``, a near-zero one like the rest), and then the random vectors scaled to the
+    RMS values of NEAR_ZERO_RMS in turn. Returns a new tensor of x's dtype."""
     flat = x.detach().to(torch.float64).reshape(-1, x.shape[-1]).clone()
     n, d = flat.shape
     half = max(5, n // 2)
@@ -33,7 +36,10 @@ def plant_small_vectors(x: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     flat[1] = -0.0
     flat[2] = 0.0
     flat[2, int(torch.randint(0, d, (), generator=gen))] = 1e-3
-    flat[3] = torch.where(flat[3] < 0, -SUBNORMAL, SUBNORMAL)
+    if subnormal:
+        flat[3] = torch.where(flat[3] < 0, -SUBNORMAL, SUBNORMAL)
+    else:
+        flat[3] = flat[3] / rms[3] * NEAR_ZERO_RMS[0]
     return flat.to(x.dtype).reshape(x.shape)
 
 
@@ -50,5 +56,27 @@ def gated_norm_zero_heads_case(axes: dict, gen: torch.Generator, device) -> Case
     vectors (the norm's unit: one head of one row)."""
     case = gated_norm_case(axes, gen, torch.device("cpu"))
     case.inputs["o"] = plant_small_vectors(case.inputs["o"], gen)
+    case.inputs = {k: v.to(device) for k, v in case.inputs.items()}
+    return case
+
+
+def qk_norm_rope_zero_heads_case(axes: dict, gen: torch.Generator, device) -> Case:
+    """qk_norm_rope's case (spec.cases.rope.qk_norm_rope_case) with plant_small_vectors, without
+    subnormals, on q's and k's head vectors (the norm's unit). Subnormal bf16 inputs are left to
+    rmsnorm's zero_rows_3072, since Triton's interpreter widens them wrongly."""
+    case = qk_norm_rope_case(axes, gen, torch.device("cpu"))
+    for name in ("q", "k"):
+        case.inputs[name] = plant_small_vectors(case.inputs[name], gen, subnormal=False)
+    case.inputs = {k: v.to(device) for k, v in case.inputs.items()}
+    return case
+
+
+def ple_apply_zero_updates_case(axes: dict, gen: torch.Generator, device) -> Case:
+    """ple_apply's case (spec.cases.ple.apply_case) with plant_small_vectors, without subnormals, on
+    e_l's rows: the vector the update's rmsnorm normalises, W_out (gelu(W_gate x) * e_l), is linear
+    in e_l, so a zero e_l row gives a zero vector into the norm and a near-zero one a near-zero
+    vector."""
+    case = apply_case(axes, gen, torch.device("cpu"))
+    case.inputs["e_l"] = plant_small_vectors(case.inputs["e_l"], gen, subnormal=False)
     case.inputs = {k: v.to(device) for k, v in case.inputs.items()}
     return case

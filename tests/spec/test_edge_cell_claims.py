@@ -61,6 +61,8 @@ def test_the_fp8_append_reaches_both_ends_of_e4m3_at_page_boundaries_as_its_why_
 def test_the_norms_zero_cells_feed_zero_and_near_zero_vectors_as_their_whys_say():
     for op, cell, name in (("rmsnorm", "zero_rows_3072", "x"),
                            ("gated_rmsnorm", "zero_heads_64", "o"),
+                           ("qk_norm_rope", "decode_b128_131k", "q"),
+                           ("qk_norm_rope", "decode_b128_131k", "k"),
                            ("hc_inject_norm", "zero_rows_t64", "X")):
         why, inputs = _case(op, cell)
         assert "zero" in why and "-0.0" in why and "single nonzero value" in why, op
@@ -136,3 +138,16 @@ def test_the_near_tie_route_cell_has_the_near_ties_and_underflow_its_why_claims(
                        stable=True).indices[:, :10]
     # near ties the fp32 path resolves the other way: rows the bitwise oracle could not pass
     assert int((ids32.sort(dim=-1).values != ids64.sort(dim=-1).values).any(dim=-1)[:80].sum()) > 0
+
+
+def test_the_ple_zero_update_cell_feeds_zero_vectors_into_the_updates_norm():
+    why, inputs = _case("ple_apply", "zero_updates_t16")
+    assert "two zero vectors" in why and "RMS 2e-5 to 3e-2" in why
+    x = inputs["x"].double()
+    gate = torch.nn.functional.gelu(x @ inputs["w_gate"].double().T, approximate="tanh")
+    pre = (gate * inputs["e_l"].double()) @ inputs["w_out"].double().T
+    rms = _rms(pre)
+    assert int((rms == 0).sum()) == 2
+    near = rms[(rms > 0) & (rms < 0.05)]
+    assert float(near.min()) <= 3e-5 and float(near.max()) >= 2.5e-2 and near.numel() >= 6
+    assert bool(((inputs["e_l"] != 0).sum(dim=-1) == 1).any())
