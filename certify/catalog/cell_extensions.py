@@ -84,3 +84,16 @@ def extension_problem(op: OpFile) -> tuple[tuple, str] | None:
             return (("cells", i, "selection", "given"),
                     "the other outputs need the spec's result from the variant's selection (given)")
     return None
+
+
+def extension_callables(op: OpFile) -> list[tuple[tuple, str]]:
+    """(location, module:function) of every callable these fields name, for ``certify check``."""
+    out: list[tuple[tuple, str]] = []
+    for i, cell in enumerate(op.cells):
+        if getattr(cell, "inputs", None):
+            out.append((("cells", i, "inputs"), cell.inputs))
+        sel = selection_of(cell)
+        if sel is not None:
+            out += [(("cells", i, "selection", f), getattr(sel, f))
+                    for f in ("scores", "bound", "given") if getattr(sel, f)]
+    return out

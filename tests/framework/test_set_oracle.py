@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from certify.catalog.cell_extensions import ExtendedCell
-from certify.catalog.load import load_catalog
+from certify.catalog.callables import callable_errors
+from certify.catalog.load import Catalog, load_catalog, load_op_file
+from certify.files.problem import FileProblem
 from certify.catalog.schema import Cell
 from certify.files.paths import project_paths
 from certify.harness.extended import certify_cell
@@ -103,3 +105,35 @@ def test_the_selection_and_the_cells_builder_enter_the_hash():
     other_builder = NEAR_TIES.model_copy(update={"inputs": "spec.cases.moe:route_case"})
     assert content_hash(MOE_ROUTE, "spec_lowp", ordered) != base
     assert content_hash(MOE_ROUTE, "spec_lowp", other_builder) != base
+
+
+def _moe_route_text() -> str:
+    return (project_paths().cells / "moe_route.yaml").read_text()
+
+
+@pytest.mark.parametrize("edit, field, words", [
+    (("      given: spec.ops.moe_route_sets:route_weights_given\n", ""), "given",
+     "need the spec's result"),
+    (("    selection:\n      ids: expert_ids\n", "    selection:\n      ids: weights\n"), "outputs",
+     "judged by the selection"),
+    (("      ordered: true\n", "      ordered: true\n      tolerance: 3\n"), "tolerance",
+     "unknown field"),
+])
+def test_a_bad_selection_names_file_line_and_field(tmp_path, edit, field, words):
+    text = _moe_route_text()
+    assert edit[0] in text
+    path = tmp_path / "moe_route.yaml"
+    path.write_text(text.replace(edit[0], edit[1]))
+    with pytest.raises(FileProblem) as e:
+        load_op_file(path)
+    assert e.value.line and field in e.value.field and words in str(e.value), str(e.value)
+
+
+def test_certify_check_names_a_cell_builder_that_does_not_resolve(tmp_path):
+    path = tmp_path / "moe_route.yaml"
+    path.write_text(_moe_route_text().replace("spec.cases.moe_edges:route_near_ties_case",
+                                              "spec.cases.moe_edges:no_such_builder"))
+    cat = Catalog(ops={"moe_route": load_op_file(path)}, files={"moe_route": path})
+    problems = callable_errors(cat)
+    assert len(problems) == 1 and "no_such_builder" in str(problems[0])
+    assert problems[0].field.endswith("inputs")
