@@ -63,6 +63,8 @@ def test_the_norms_zero_cells_feed_zero_and_near_zero_vectors_as_their_whys_say(
                            ("gated_rmsnorm", "zero_heads_64", "o"),
                            ("qk_norm_rope", "decode_b128_131k", "q"),
                            ("qk_norm_rope", "decode_b128_131k", "k"),
+                           ("gdn_decode", "b1_fp32", "q"),
+                           ("gdn_decode", "b1_fp32", "k"),
                            ("hc_inject_norm", "zero_rows_t64", "X")):
         why, inputs = _case(op, cell)
         assert "zero" in why and "-0.0" in why and "single nonzero value" in why, op
@@ -151,3 +153,16 @@ def test_the_ple_zero_update_cell_feeds_zero_vectors_into_the_updates_norm():
     near = rms[(rms > 0) & (rms < 0.05)]
     assert float(near.min()) <= 3e-5 and float(near.max()) >= 2.5e-2 and near.numel() >= 6
     assert bool(((inputs["e_l"] != 0).sum(dim=-1) == 1).any())
+
+
+def test_the_decode_append_writes_a_pages_last_and_first_slot_as_its_why_says():
+    why, inputs = _case("qsa_kv_append", "decode_b128_131k")
+    assert "completing its block (offset 31)" in why and "opening a fresh page (offset 0)" in why
+    offsets = inputs["positions"] % TPB
+    assert bool((offsets == TPB - 1).any()) and bool((offsets == 0).any())
+    # the fresh page holds nothing of this request before the step: every slot of it is empty (-1)
+    table, pos_plane = inputs["block_table"], inputs["pos_plane"]
+    for row in (offsets == 0).nonzero().flatten().tolist():
+        seq, t = int(inputs["seq_ids"][row]), int(inputs["positions"][row])
+        page = int(table[seq, t // TPB])
+        assert bool((pos_plane[page] == -1).all())
