@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from certify.catalog.cell_extensions import ExtendedCell
 from certify.catalog.callables import callable_errors
@@ -137,3 +139,26 @@ def test_certify_check_names_a_cell_builder_that_does_not_resolve(tmp_path):
     problems = callable_errors(cat)
     assert len(problems) == 1 and "no_such_builder" in str(problems[0])
     assert problems[0].field.endswith("inputs")
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 31 - 1), rows=st.integers(1, 6), n=st.integers(2, 40),
+       data=st.data())
+def test_the_float64_top_k_passes_and_a_swap_past_the_bound_fails(seed, rows, n, data):
+    k = data.draw(st.integers(1, n - 1))
+    gen = torch.Generator().manual_seed(seed)
+    scores = torch.randn(rows, n, generator=gen, dtype=torch.float64)
+    bound = torch.rand(rows, n, generator=gen, dtype=torch.float64) * 1e-3
+    top = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
+    assert check_selection("ids", top, scores, bound, ordered=True).passed
+    shuffled = top[:, torch.randperm(k, generator=gen)]
+    assert check_selection("ids", shuffled, scores, bound, ordered=False).passed
+    # swap the k-th best for a left-out id that is below it by more than both bounds
+    row = data.draw(st.integers(0, rows - 1))
+    rest = torch.sort(scores[row], descending=True, stable=True).indices[k:]
+    kth = int(top[row, -1])
+    far = [int(j) for j in rest if scores[row, kth] - scores[row, j] > bound[row, kth] + bound[row, j]]
+    if far:
+        bad = top.clone()
+        bad[row, -1] = far[0]
+        assert not check_selection("ids", bad, scores, bound).passed
