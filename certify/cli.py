@@ -25,6 +25,7 @@ from certify.report import (SITE_DIR, project_guards, project_rows, report_extra
 from certify.harness.runner import run_targets, select
 from certify.files.problem import FileProblem
 from certify.reach.scenarios import load_scenarios
+from certify.catalog.cell_extensions import ExtendedOpFile
 from certify.catalog.schema import TIERS, OpFile
 
 
@@ -201,7 +202,7 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def schema_text() -> str:
-    return json.dumps(OpFile.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    return json.dumps(ExtendedOpFile.model_json_schema(), indent=2, sort_keys=True) + "\n"
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

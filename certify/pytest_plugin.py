@@ -30,7 +30,8 @@ import pytest
 from certify.harness.archs import choose_triton_mode, present_archs
 from certify.files.problem import FileProblem
 from certify.catalog.load import load_op_file
-from certify.harness.target import certify_cell, certifying_problem
+from certify.harness.extended import certify_cell
+from certify.harness.target import certifying_problem
 from certify.files.paths import project_paths
 from certify.catalog.plan import Target, targets
 from certify.receipts.codehash import content_hash

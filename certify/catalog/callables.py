@@ -12,6 +12,7 @@ import importlib
 from functools import lru_cache
 
 from certify.catalog.load import Catalog
+from certify.catalog.cell_extensions import extension_callables
 from certify.files.problem import FileProblem
 from certify.files.yamlfile import YamlProblem, field_name, load_mapping, locate
 
@@ -56,6 +57,7 @@ def callable_errors(catalog: Catalog) -> list[FileProblem]:
         fields += [(("variants", i, "impl"), v.impl) for i, v in enumerate(op.variants)
                    if v.impl != "spec"]
         fields += [(("numerics", tier, "spec"), t.spec) for tier, t in op.numerics.items()]
+        fields += extension_callables(op)
         for loc, dotted in fields:
             problem = resolve_problem(dotted)
             if problem:

@@ -12,6 +12,7 @@ from typing import Any, Iterator
 from certify.files.problem import FileProblem
 from certify.catalog.plan import targets, variants_of_cell
 from certify.catalog.rules import evaluate, rule_names
+from certify.catalog.cell_extensions import ExtendedOpFile, extension_problem
 from certify.catalog.schema import OpFile
 from certify.files.yamlfile import field_name, load_validated, locate
 
@@ -120,11 +121,11 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
 def load_op_file(path: Path) -> OpFile:
     """Load and validate one cell file; raise FileProblem (file, line, field) on the first problem."""
     path = Path(path)
-    op, lines = load_validated(path, OpFile)
+    op, lines = load_validated(path, ExtendedOpFile)
     if op.op != path.stem:
         raise FileProblem(path, locate(("op",), lines), "op",
                            f"op {op.op!r} must match the file name {path.stem!r}")
-    problem = _cross_check(op)
+    problem = _cross_check(op) or extension_problem(op)
     if problem:
         loc, msg = problem
         raise FileProblem(path, locate(loc, lines), field_name(loc), msg)

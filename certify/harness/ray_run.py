@@ -88,7 +88,7 @@ def certify_remote(root: str, cells: str, op: str, variant: str, cell: str, arch
     torch.set_num_threads(cpus)
 
     from certify.catalog.load import load_op_file  # noqa: PLC0415
-    from certify.harness.target import certify_cell  # noqa: PLC0415
+    from certify.harness.extended import certify_cell  # noqa: PLC0415
     from certify.receipts.store import make_receipt, write_receipts  # noqa: PLC0415
 
     spec = load_op_file(Path(cells) / f"{op}.yaml")

@@ -11,7 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from certify.harness.archs import present_archs
 from certify.catalog.load import Catalog
-from certify.harness.target import certify_cell
+from certify.harness.extended import certify_cell
 from certify.catalog.plan import Target, targets
 from certify.receipts.store import (UP_TO_DATE, Receipt, freshness, load_receipts, make_receipt,
                                     write_receipts)

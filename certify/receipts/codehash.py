@@ -26,9 +26,12 @@ from pathlib import Path
 from pydantic import BaseModel
 
 from certify.files.paths import project_paths
+from certify.catalog.cell_extensions import cell_inputs, selection_of
 from certify.catalog.schema import EXACT, Cell, OpFile
 
 ORACLE_MODULES = ("certify.harness.oracles", "certify.harness.target")
+# Hashed only for a cell with a set oracle (certify.catalog.cell_extensions), beside ORACLE_MODULES.
+SET_ORACLE_MODULES = ("certify.harness.set_oracle", "certify.harness.extended")
 
 
 @lru_cache(maxsize=None)
@@ -139,14 +142,21 @@ def _hashed_value(value: object) -> object:
 def content_hash(op: OpFile, variant_name: str, cell: Cell) -> str:
     variant = op.variant(variant_name)
     spec = op.spec_of(variant)
+    inputs = cell_inputs(op, cell)  # the cell's own builder (an edge case) or the op's
     parts = {
         "spec": [spec, module_closure(spec.partition(":")[0])],
         "variant": [hashed_fields(variant), module_closure(op.impl_path(variant).partition(":")[0])],
-        "inputs": [op.inputs, module_closure(op.inputs.partition(":")[0])],
+        "inputs": [inputs, module_closure(inputs.partition(":")[0])],
         "cell": hashed_fields(cell),
         "oracle": [module_closure(m) for m in ORACLE_MODULES],
     }
     if variant.numerics != EXACT:  # the tier's bands judge it, and the exact spec is measured too
         parts["numerics"] = [hashed_fields(op.numerics[variant.numerics]),
                              module_closure(op.spec.partition(":")[0])]
+    selection = selection_of(cell)
+    if selection is not None:  # its fields, the modules of its callables and of the oracle
+        callables = [c for c in (selection.scores, selection.bound, selection.given) if c]
+        parts["selection"] = [hashed_fields(selection),
+                              [module_closure(c.partition(":")[0]) for c in callables],
+                              [module_closure(m) for m in SET_ORACLE_MODULES]]
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:24]

@@ -25,7 +25,8 @@ from pathlib import Path
 
 from certify.harness.archs import present_archs
 from certify.catalog.load import Catalog
-from certify.harness.target import Outcome, certify_cell
+from certify.harness.extended import certify_cell
+from certify.harness.target import Outcome
 from certify.catalog.plan import Target, targets
 from certify.receipts.codehash import content_hash
 from certify.receipts.store import (

@@ -27,7 +27,7 @@ CAPABILITIES = [
 _SCRIPT = r"""
 import json, sys, torch
 from certify.catalog.load import load_catalog
-from certify.harness.target import certify_cell
+from certify.harness.extended import certify_cell
 from certify.files.paths import project_paths
 from certify.catalog.plan import targets
 catalog = load_catalog(project_paths().cells)

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from certify.catalog.load import load_op_file
-from certify.harness.target import certify_cell
+from certify.harness.extended import certify_cell
 from certify.files.paths import project_paths
 from impl.kernels.gdn import flashinfer_ops
 from spec.ops import gdn
