@@ -11,6 +11,10 @@ the steps that read its prompt.
   positions (``spec.ops.vision.frame_positions``). ``FramePrompt.delta`` is what a row after the prompt
   adds to its index in the sequence to get its rotary position (Qwen2-VL's ``mrope_position_delta``):
   ``max(F, gh, gw) - F gh gw``.
+- ``save_vision`` / ``load_vision``: the tower's weights in a safetensors file of their own (the
+  tiny checkpoint's second file, ``checkpoints/flashnext-tiny-vision.safetensors``), bf16, with the
+  geometry and the training record in its metadata; a file whose geometry or tensors do not match is
+  refused naming the file and the tensor.
 - ``step_inputs``: for one step's rows, the rows to splice (step row index -> tower row) and the
   [3, N] rotary positions, or (None, None) when no request of the step carries frames (its rows then
   rotate by their plain positions, which equal rows would give bit for bit). The KV cache, the QSA
@@ -19,12 +23,16 @@ the steps that read its prompt.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from spec.config import ModelConfig
-from spec.ops.vision import FRAME_TOKEN, VisionConfig, VisionWeights, frame_positions
+from spec.ops.vision import (FRAME_TOKEN, VisionConfig, VisionWeights, frame_positions,
+                             init_vision_weights)
 
 VISION_GEOMETRY: dict[str, VisionConfig | None] = {
     "tiny": VisionConfig(out_width=ModelConfig.tiny().hidden),
@@ -34,6 +42,44 @@ VISION_GEOMETRY: dict[str, VisionConfig | None] = {
 
 def vision_geometry(preset: str) -> VisionConfig | None:
     return VISION_GEOMETRY.get(preset)
+
+
+VISION_FORMAT = "flashnext-vision/1"
+
+
+def save_vision(path: str | Path, weights: VisionWeights, geometry: VisionConfig,
+                training: dict | None = None) -> None:
+    """Write the tower's weights (bf16) and geometry to ``path``."""
+    from safetensors.torch import save_file
+
+    tensors = {k: v.detach().to(torch.bfloat16).contiguous().cpu()
+               for k, v in weights.as_dict().items()}
+    meta = {"format": VISION_FORMAT, "geometry": json.dumps(dataclasses.asdict(geometry)),
+            "training": json.dumps(training or {})}
+    save_file(tensors, str(path), metadata=meta)
+
+
+def load_vision(path: str | Path, geometry: VisionConfig, dtype: torch.dtype = torch.bfloat16,
+                device: str | torch.device = "cpu") -> VisionWeights:
+    """The tower's weights of ``path``, checked against ``geometry``; ValueError names the problem."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+        if meta.get("format") != VISION_FORMAT:
+            raise ValueError(f"{path}: not a vision tower file (format {meta.get('format')!r}, "
+                             f"expected {VISION_FORMAT!r})")
+        stored = json.loads(meta.get("geometry", "{}"))
+        if stored != dataclasses.asdict(geometry):
+            raise ValueError(f"{path}: geometry {stored} is not the model's tower {geometry}")
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    want = init_vision_weights(geometry, torch.Generator().manual_seed(0)).as_dict()
+    for name, t in want.items():
+        if name not in tensors or tensors[name].shape != t.shape:
+            got = tuple(tensors[name].shape) if name in tensors else "missing"
+            raise ValueError(f"{path}: tensor {name} is {got}, the tower needs {tuple(t.shape)}")
+    return VisionWeights(**{k: tensors[k].to(dtype=dtype, device=device) for k in want})
 
 
 @dataclass(frozen=True)

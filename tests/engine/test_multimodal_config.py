@@ -92,3 +92,21 @@ def test_the_engine_needs_the_towers_weights_in_the_models_dtype(weights):
     with pytest.raises(ValueError, match=r"vision weights: w_out is \[64, 64\], the tiny tower "
                                          r"needs \[128, 64\]"):
         Engine(c, weights, vision=other)
+
+
+def test_vision_weights_round_trip_and_a_wrong_file_is_refused(tmp_path):
+    from impl.model.vision import load_vision, save_vision
+
+    geo = vision_geometry("tiny")
+    w = init_vision_weights(geo, torch.Generator().manual_seed(2), dtype=torch.bfloat16)
+    path = tmp_path / "v.safetensors"
+    save_vision(path, w, geo, {"steps": 1})
+    back = load_vision(path, geo)
+    assert all(torch.equal(a, b) for a, b in zip(w.as_dict().values(), back.as_dict().values()))
+    with pytest.raises(ValueError, match="geometry"):
+        load_vision(path, geo.__class__(out_width=64))
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match="not a vision tower file"):
+        load_vision(tmp_path / "bad.safetensors", geo)

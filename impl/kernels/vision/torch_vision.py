@@ -31,6 +31,17 @@ def vision_tower(frames: torch.Tensor, patch_w: torch.Tensor, pos_frame: torch.T
                  w_o: torch.Tensor, mlp_norm: torch.Tensor, w_up: torch.Tensor,
                  w_down: torch.Tensor, out_norm: torch.Tensor, w_out: torch.Tensor, heads: int, *,
                  out: torch.Tensor) -> None:
+    y = tower_fp32(frames, patch_w, pos_frame, pos_patch, attn_norm, w_qkv, w_o, mlp_norm, w_up,
+                   w_down, out_norm, w_out, heads)
+    out.copy_(y)
+
+
+def tower_fp32(frames: torch.Tensor, patch_w: torch.Tensor, pos_frame: torch.Tensor,
+               pos_patch: torch.Tensor, attn_norm: torch.Tensor, w_qkv: torch.Tensor,
+               w_o: torch.Tensor, mlp_norm: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor,
+               out_norm: torch.Tensor, w_out: torch.Tensor, heads: int) -> torch.Tensor:
+    """The tower's fp32 rows [F gh gw, out_width], before the final rounding (differentiable: the
+    frame task trains the tower through it, impl/train/train_frames.py)."""
     F, C = frames.shape[0], frames.shape[1]
     G, D = pos_frame.shape
     if F % G:
@@ -54,4 +65,4 @@ def vision_tower(frames: torch.Tensor, patch_w: torch.Tensor, pos_frame: torch.T
         up = torch.nn.functional.gelu(fp32_matmul(h, f32(w_up[layer]).T), approximate="tanh")
         x = x + fp32_matmul(up, f32(w_down[layer]).T)
     y = fp32_matmul(_rmsnorm(x, f32(out_norm)), f32(w_out).T)
-    out.copy_(y.reshape(out.shape))
+    return y.reshape(F * per_group // G, -1)
