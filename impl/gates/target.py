@@ -10,6 +10,12 @@ serving; 64 rows still hold a verify step of 8 requests at draft 7. The resolved
 is the configuration a reference is keyed by; ``max_seq_len`` is derived from the set's longest prompt
 and is not part of it (it sizes the page pool and changes no result).
 
+Video input. A gate whose engine sets ``multimodal: true`` runs the engine with the vision tower's
+weights (``VISION``, the tiny checkpoint's second file, trained by impl/train/train_frames.py) and
+gives every sample of a frame set its frames. Its resolved mapping adds ``vision_weights``, that
+file's sha256, so its references are keyed by the tower that produced them; a gate without
+``multimodal`` resolves exactly as before, and its references keep their keys.
+
 Acceptance length. The engine does not stop at ``END`` (it generates ``max_new_tokens``), so a
 request's verify steps run on past its answer. Only the verify steps that start inside the answer
 count (the first token of a generation comes from the context step, then verify step j emits
@@ -39,6 +45,7 @@ from impl.tasks.tokenizer import END
 ROOT = Path(__file__).resolve().parents[2]
 CHECKPOINT = ROOT / "checkpoints" / "flashnext-tiny.safetensors"
 MODEL_CARD = ROOT / "checkpoints" / "flashnext-tiny.md"
+VISION = ROOT / "checkpoints" / "flashnext-tiny-vision.safetensors"
 
 
 class GateEngine(BaseModel):
@@ -55,13 +62,16 @@ class GateEngine(BaseModel):
     numerics: dict[str, str] = Field(default_factory=dict, description=(
         "op -> numerics tier (EngineConfig.numerics); left out of the resolved mapping when empty, "
         "so the references of the exact tiers keep their keys"))
+    multimodal: bool = Field(False, description=(
+        "video input (EngineConfig.multimodal) with the tower of VISION; left out of the resolved "
+        "mapping when off, so the text gates' references keep their keys"))
 
     def engine_config(self, max_seq_len: int) -> EngineConfig:
         return EngineConfig(model="tiny", model_dtype="bf16", kv_cache_dtype=self.kv_cache_dtype,
                             state_dtype=self.state_dtype, max_batch_size=self.max_batch_size,
                             max_num_tokens=self.max_num_tokens, max_seq_len=max_seq_len,
                             speculative=self.speculative, batch_invariant=self.batch_invariant,
-                            numerics=self.numerics)
+                            numerics=self.numerics, multimodal=self.multimodal)
 
 
 def answer_steps(tokens: list[int], num_accepted: list[int]) -> list[int]:
@@ -89,8 +99,9 @@ class FlashNextGates:
     """``GateTarget`` for the trained tiny checkpoint (``checkpoint`` defaults to the shipped one)."""
 
     def __init__(self, checkpoint: str | Path | None = None, card: str | Path | None = None,
-                 device: str | None = None):
+                 device: str | None = None, vision: str | Path | None = None):
         self.checkpoint = Path(checkpoint) if checkpoint else CHECKPOINT
+        self.vision = Path(vision) if vision else VISION
         self.card = Path(card) if card else MODEL_CARD
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
@@ -115,7 +126,14 @@ class FlashNextGates:
         refusals = check(cfg.engine_config(max_seq_len=8192 + 64))
         if refusals:
             raise ValueError("; ".join(str(r) for r in refusals))
-        return cfg.model_dump(mode="json", exclude={"numerics"} if not cfg.numerics else None)
+        left_out = {n for n in ("numerics", "multimodal") if not getattr(cfg, n)}
+        out = cfg.model_dump(mode="json", exclude=left_out or None)
+        if cfg.multimodal:
+            if not self.vision.is_file():
+                raise ValueError(f"multimodal: no vision tower weights at {_rel(self.vision)} "
+                                 f"(python -m impl.train.train_frames writes them)")
+            out["vision_weights"] = self._vision_hash
+        return out
 
     def speculative(self, engine: Mapping[str, Any]) -> bool:
         return GateEngine.model_validate(dict(engine)).speculative is not None
@@ -134,10 +152,13 @@ class FlashNextGates:
         config = gate_engine.engine_config(max_seq_len=longest + new + k).model_copy(
             update={"device": self.device.type})
         weights, cfg = self._weights
-        requests = [Request(request_id=str(i), prompt=tuple(s.prompt_ids()), max_new_tokens=new)
+        requests = [Request(request_id=str(i), prompt=tuple(s.prompt_ids()), max_new_tokens=new,
+                            frames=getattr(s, "frames", None))
                     for i, s in enumerate(items)]
+        vision = self._vision if gate_engine.multimodal else None
         t0 = time.perf_counter()
-        report = Engine(config, weights, cfg=cfg).generate(requests, progress=progress)
+        report = Engine(config, weights, cfg=cfg, vision=vision).generate(requests,
+                                                                          progress=progress)
         seconds = time.perf_counter() - t0
         task = TASKS[spec.task]
         scores, accepted = [], []
@@ -155,6 +176,16 @@ class FlashNextGates:
     @cached_property
     def _checkpoint_hash(self) -> str:
         return _sha256(self.checkpoint)
+
+    @cached_property
+    def _vision_hash(self) -> str:
+        return _sha256(self.vision)
+
+    @cached_property
+    def _vision(self):
+        from impl.model.vision import load_vision, vision_geometry
+
+        return load_vision(self.vision, vision_geometry("tiny"), torch.bfloat16, self.device)
 
     @cached_property
     def _weights(self):

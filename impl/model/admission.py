@@ -16,18 +16,28 @@ Limits (decisions):
 - ``draft_length``: a per-request override is refused when speculation is off, and when it differs from
   the engine's draft length (the draft length cannot change at run time; see ``static_draft_length``).
 - ``request_id``: non-empty and unique within one ``admit`` call (a repeat is rejected, the first kept).
-- Multimodal inputs do not exist yet: ``Request`` refuses unknown fields, so a request carrying one
-  fails at construction.
+- ``frames`` (video input, ``EngineConfig.multimodal``; docs/spec.md, "Vision input"): a float32
+  tensor [F, C, H, W] of pixels in [0, 1], C, H, W the tower's (``impl.model.vision``), 1 <= F <=
+  ``max_frames`` and F a multiple of the tower's group (it runs whole groups of frames). The prompt
+  holds the frames' placeholder tokens (``FRAME_TOKEN``) in one contiguous run, exactly F x the tokens
+  a frame gives, one per spliced row: the prompt's length is the spliced prompt's, so the limits above
+  hold for it. In a multimodal engine placeholder tokens without frames are refused (elsewhere the id
+  is a token like any other); frames sent to an engine with multimodal off or to a model without a
+  vision tower are refused. Other unknown fields (``images``, ...) are refused at
+  construction.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, Sequence
 
+import torch
 from pydantic import BaseModel, ConfigDict
 
 from impl.model.engine_config import EngineConfig
+from impl.model.vision import vision_geometry
 from spec.config import ModelConfig
+from spec.ops.vision import FRAME_TOKEN
 
 
 class SamplingParams(BaseModel):
@@ -39,7 +49,7 @@ class SamplingParams(BaseModel):
 
 
 class Request(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", arbitrary_types_allowed=True)
 
     request_id: str
     prompt: tuple[int, ...]
@@ -48,6 +58,9 @@ class Request(BaseModel):
     draft_length: int | None = None
     # Generation ends at the first of these tokens (kept in the output), or at max_new_tokens.
     stop_token_ids: tuple[int, ...] = ()
+    # Video frames [F, C, H, W], float32 pixels in [0, 1]; their rows replace the prompt's
+    # FRAME_TOKEN placeholders (EngineConfig.multimodal).
+    frames: torch.Tensor | None = None
 
 
 class RequestRejected(ValueError):
@@ -105,6 +118,46 @@ def validate_request(request: Request, model_config: ModelConfig, engine_config:
         elif request.draft_length != spec.draft_length:
             reject("draft_length", f"is {request.draft_length}; the engine's draft length is fixed at "
                                    f"{spec.draft_length}")
+    _check_frames(request, engine_config, reject)
+
+
+def _check_frames(request: Request, engine_config: EngineConfig, reject) -> None:
+    """The frames and their placeholders (module docstring); ``reject(field, reason)`` raises."""
+    frames = request.frames
+    marks = [i for i, t in enumerate(request.prompt) if t == FRAME_TOKEN]
+    if frames is None:
+        if marks and engine_config.multimodal:   # elsewhere id FRAME_TOKEN is a token like any
+            reject("prompt", f"holds {len(marks)} frame placeholder token(s) (id {FRAME_TOKEN}) but "
+                             f"the request carries no frames")
+        return
+    if not engine_config.multimodal:
+        reject("frames", "video input is off in this engine (EngineConfig.multimodal)")
+    vision = vision_geometry(engine_config.model)
+    if vision is None:
+        reject("frames", f"the {engine_config.model} model has no vision tower")
+    if frames.dim() != 4:
+        reject("frames", f"must be [F, C, H, W], got shape {tuple(frames.shape)}")
+    if frames.dtype != torch.float32:
+        reject("frames", f"must be float32 pixels in [0, 1], got {frames.dtype}")
+    F, C, H, W = frames.shape
+    want = (vision.channels, vision.frame_size, vision.frame_size)
+    if (C, H, W) != want:
+        reject("frames", f"each frame must be {want[0]} x {want[1]} x {want[2]} (C, H, W), got "
+                         f"{C} x {H} x {W}")
+    if not 1 <= F <= vision.max_frames:
+        reject("frames", f"holds {F} frames; a request carries 1..{vision.max_frames}")
+    if F % vision.group:
+        reject("frames", f"holds {F} frames, not a multiple of {vision.group}: the tower runs whole "
+                         f"groups of {vision.group} frames")
+    if not bool(torch.isfinite(frames).all()) or float(frames.min()) < 0 or float(frames.max()) > 1:
+        reject("frames", "pixels must be finite and lie in [0, 1]")
+    need = F * vision.tokens_per_frame
+    if len(marks) != need:
+        reject("prompt", f"holds {len(marks)} frame placeholder token(s) (id {FRAME_TOKEN}); {F} "
+                         f"frames of {vision.tokens_per_frame} tokens need {need}")
+    if marks[-1] - marks[0] + 1 != need:
+        reject("prompt", f"the frame placeholder tokens (id {FRAME_TOKEN}) must form one "
+                         f"contiguous run, found them spread over positions {marks[0]}..{marks[-1]}")
 
 
 def admit(requests: Iterable[Request], model_config: ModelConfig, engine_config: EngineConfig

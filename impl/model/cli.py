@@ -141,6 +141,10 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     e.add_argument("--no-moe-expert-copy", action="store_true",
                    help="drop the second copy of the routed experts that a large MoE launch of "
                         "another weight layout reads (explain shows whether one is kept)")
+    e.add_argument("--multimodal", action="store_true",
+                   help="accept video frames in requests (EngineConfig.multimodal; tiny only, no "
+                        "speculation, disaggregation or CUDA graphs: explain shows the rules); "
+                        "generate sends text prompts only and refuses it")
     e.add_argument("--numerics", action="append", default=[], metavar="OP=TIER",
                    help="choose OP's variants from its numerics TIER (e.g. "
                         "gdn_prefill=bf16_operands; default: every op's exact tier); repeatable")
@@ -224,7 +228,8 @@ def _config(args) -> EngineConfig:
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
         torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
-        moe_expert_copy=not args.no_moe_expert_copy, gdn_commit=args.gdn_commit)
+        moe_expert_copy=not args.no_moe_expert_copy, gdn_commit=args.gdn_commit,
+        multimodal=args.multimodal)
 
 
 def _numerics(items: list[str]) -> dict[str, str]:
@@ -342,6 +347,9 @@ def _generate(args, config: EngineConfig) -> int:
 
     if not args.prompt and not args.random_prompts:
         raise _Refused("no prompt: give --prompt TEXT or --random-prompts N")
+    if config.multimodal:
+        raise _Refused("--multimodal: generate sends text prompts only; requests with frames go "
+                       "through the Python API (Engine(config, weights, vision=...))")
     if args.random_weights and config.model != "tiny":
         raise _Refused("--random-weights builds the tiny model only (the target's weights do not fit)")
     try:

@@ -20,6 +20,11 @@ Scheduling (deterministic: the same requests give the same steps):
   ``rollback_commit``: PLE history; the KV, index and block-key planes truncated), the draft layer's
   speculative rows rolled back, then it reads the accepted rows and drafts again.
 
+Video input (``EngineConfig.multimodal``, impl/model/vision.py): a request's frames run through the
+vision tower once, when it is submitted; each context step splices the tower's rows at the prompt's
+placeholder rows it reads, and every row of a step holding a frame request rotates by [3, N] mRoPE
+positions (the prompt's, then the sequence index plus the request's delta).
+
 With ``cuda_graphs`` a decode step (every row a decode row) replays a captured graph of its batch
 bucket (impl/model/graphs.py); other steps run eagerly.
 
@@ -48,9 +53,11 @@ from impl.model.graphs import DecodeGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import Ops
 from impl.model.placement import HostMapped, with_host_ple_tables
+from impl.model.vision import FramePrompt, prepare_frames, step_inputs, vision_geometry
 from spec.config import ModelConfig
 from spec.model import Weights
 from spec.ops.mtp import acceptance_length, greedy_argmax
+from spec.ops.vision import VisionWeights
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 
@@ -72,6 +79,7 @@ class Sequence:
     # The trunk's rows of the prompt (hidden [n, C], selection [n, W] or None) per chunk, kept by a
     # context engine for a generation peer whose draft layer reads them (impl/model/disagg/).
     prompt_rows: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)
+    frames: FramePrompt | None = None    # the tower's rows and the prompt's mRoPE positions
 
     @property
     def prompt(self) -> tuple[int, ...]:
@@ -140,7 +148,8 @@ class Engine:
     """Serves greedy generation for one model and one ``EngineConfig``."""
 
     def __init__(self, config: EngineConfig, weights: Weights, *, cfg: ModelConfig | None = None,
-                 plan: RoutePlan | None = None, log_calls: bool = False):
+                 plan: RoutePlan | None = None, log_calls: bool = False,
+                 vision: VisionWeights | None = None):
         # The engine dispatches for its configured device (a CPU engine on a GPU machine runs the
         # CPU variants); the weights must already live there.
         ctx = default_context(config, cfg)              # the rules read the geometry served
@@ -162,6 +171,10 @@ class Engine:
             self.host_mapped = HostMapped()
             weights = with_host_ple_tables(weights, weights.device, self.host_mapped)
         self.weights = weights
+        self.vision, self.vision_geometry = None, None
+        if config.multimodal:     # rule multimodal_model_has_a_vision_tower: the preset has one
+            self.vision_geometry = vision_geometry(config.model)
+            self.vision = self._check_vision(vision, weights)
         self.k = config.speculative.draft_length if config.speculative else 0
         self.index_share = bool(config.speculative and config.speculative.index_share)
         if self.k and weights.mtp is None:
@@ -193,15 +206,38 @@ class Engine:
         self.force_accept: Callable[[str, int], int] | None = None
         self.propose_hook: Callable[[str, int, list[int]], list[int]] | None = None
 
+    def _check_vision(self, vision: VisionWeights | None, weights: Weights) -> VisionWeights:
+        geo = self.vision_geometry
+        if vision is None:
+            raise ValueError("multimodal needs the vision tower's weights (Engine(..., vision=))")
+        want = {"patch_w": (geo.width, geo.patch_dim), "w_out": (geo.out_width, geo.width),
+                "pos_frame": (geo.group, geo.width), "pos_patch": (geo.tokens_per_frame, geo.width),
+                "w_qkv": (geo.layers, 3 * geo.width, geo.width)}
+        for name, shape in want.items():
+            got = tuple(getattr(vision, name).shape)
+            if got != shape:
+                raise ValueError(f"vision weights: {name} is {list(got)}, the {self.config.model} "
+                                 f"tower needs {list(shape)}")
+        for name, t in vision.as_dict().items():
+            if t.dtype != weights.dtype or t.device != weights.device:
+                raise ValueError(f"vision weights: {name} is {t.dtype} on {t.device}; the model's "
+                                 f"weights are {weights.dtype} on {weights.device}")
+        return vision
+
     # ------------------------------------------------------------------ requests
 
     def submit(self, request: Request) -> None:
-        """Queue one request; ``RequestRejected`` (and nothing changes) if it is invalid."""
+        """Queue one request; ``RequestRejected`` (and nothing changes) if it is invalid. A
+        request's frames run through the vision tower here, once."""
         validate_request(request, self.cfg, self.config)
         ids = {s.request.request_id for s in [*self.waiting, *self.running.values()]}
         if request.request_id in ids:
             raise RequestRejected(request.request_id, "request_id", "is already being served")
-        self.waiting.append(Sequence(request, self._arrivals))
+        seq = Sequence(request, self._arrivals)
+        if request.frames is not None:
+            seq.frames = prepare_frames(request.prompt, request.frames, self.vision,
+                                        self.vision_geometry, self.model.ops)
+        self.waiting.append(seq)
         self._arrivals += 1
 
     @property
@@ -286,11 +322,15 @@ class Engine:
             self.cache.ensure_pages(seq.slot, start + n)
             ids += self._tokens(seq, mode, n)
             row += n
+        splice, rope = step_inputs([(seq.frames, mode, sp.start, n)
+                                    for (seq, mode, n), sp in zip(plan, spans)])
         if self.graphs is not None and all(mode == "decode" for _, mode, _ in plan):
             out = self.graphs.step(spans, ids)
         else:
-            out = self.model.trunk(torch.tensor(ids, dtype=torch.int64), StepRows.build(spans),
-                                   self.cache, logit_rows)
+            rows = StepRows.build(spans)
+            rows.rope_positions = rope
+            out = self.model.trunk(torch.tensor(ids, dtype=torch.int64), rows, self.cache,
+                                   logit_rows, splice)
         self._log("trunk", plan, spans, ids, out)
         return spans, out
 
@@ -538,7 +578,10 @@ class Engine:
         for err in rejected:
             results[err.request_id] = GenerationResult(err.request_id, error=str(err))
         for r in accepted:
-            self.submit(r)
+            try:
+                self.submit(r)
+            except RequestRejected as err:
+                results[r.request_id] = GenerationResult(r.request_id, error=str(err))
         target = sum(r.max_new_tokens for r in accepted)
         t0 = time.perf_counter()
         steps0 = self.steps

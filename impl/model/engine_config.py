@@ -62,6 +62,13 @@ Decisions:
   ``disaggregated_peers_store_state_alike``); their draft layers agree, or only the generation engine
   drafts (rule ``disaggregated_draft_layers_agree``); the backend moves the device's tensors: gloo the
   CPU's, NCCL CUDA's (rule ``transfer_backend_serves_the_device``).
+- Video input (``multimodal``, off by default; impl/model/vision.py): requests may carry frames. It
+  needs a model whose preset has a vision tower read out to its width (rule
+  ``multimodal_model_has_a_vision_tower``: tiny has one, the target none yet); frame prompts rotate by
+  mRoPE positions, which the MTP verify and draft rows, a disaggregated hand-off and a captured decode
+  graph do not carry, so speculation, a context or generation role and cuda_graphs are refused with it
+  (rules ``multimodal_without_speculation``, ``multimodal_aggregated_only``,
+  ``multimodal_without_cuda_graphs``). The op ``vision_tower`` runs only with it.
 """
 
 from __future__ import annotations
@@ -186,6 +193,10 @@ class EngineConfig(BaseModel):
     role: Role = "aggregated"
     peer: PeerConfig | None = None
     transfer_backend: TransferBackend | None = None   # None: the device's (gloo on cpu, nccl on cuda)
+    # video input (impl/model/vision.py): requests may carry frames, run through the vision tower
+    # and spliced into their prompts with mRoPE positions; rules multimodal_model_has_a_vision_tower,
+    # multimodal_without_speculation, multimodal_aggregated_only, multimodal_without_cuda_graphs
+    multimodal: bool = False
 
     def tier_of(self, op: str) -> str:
         return self.numerics.get(op, EXACT)
@@ -510,13 +521,16 @@ def _device_present(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 
 def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
-    from impl.model.ops import FORWARD_OPS, INDEX_SHARE_OPS, KV_CODEC_OPS, SPECULATION_OPS
+    from impl.model.ops import (FORWARD_OPS, INDEX_SHARE_OPS, KV_CODEC_OPS, MULTIMODAL_OPS,
+                                SPECULATION_OPS)
 
     sharing = c.speculative is not None and c.speculative.index_share
     names = [n for n in FORWARD_OPS if sharing or n not in INDEX_SHARE_OPS]
     names += [KV_CODEC_OPS[c.kv_cache_dtype]] if c.kv_cache_dtype in KV_CODEC_OPS else []
     if c.speculative is not None:  # the verify-width ops have their own rule
         names += [n for n in SPECULATION_OPS if n not in VERIFY_WIDTH_OPS]
+    if c.multimodal:
+        names += list(MULTIMODAL_OPS)
     names = [n for n in names if n not in c.pinned_variants()]  # moe_backend_supported's
     missing = [n for n in names if n in ctx.catalog.ops
                and choose_variant(c, ctx.catalog.ops[n], ctx.arch).variant is None]
@@ -663,6 +677,41 @@ def _transfer_backend(c: EngineConfig, ctx: RuleContext) -> str | None:
     return None
 
 
+def _multimodal_tower(c: EngineConfig, ctx: RuleContext) -> str | None:
+    from impl.model.vision import vision_geometry
+
+    if not c.multimodal:
+        return None
+    vision = vision_geometry(c.model)
+    if vision is None:
+        return f"multimodal needs a vision tower, and the {c.model} model has none"
+    if vision.out_width != ctx.model.hidden:
+        return (f"the {c.model} vision tower reads out {vision.out_width} wide rows; the model's "
+                f"hidden width is {ctx.model.hidden}")
+    return None
+
+
+def _multimodal_speculation(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.multimodal and c.speculative is not None:
+        return ("multimodal gives frame prompts mRoPE positions that verify and draft rows do not "
+                "carry (no mRoPE delta in the MTP path): turn speculation or multimodal off")
+    return None
+
+
+def _multimodal_aggregated(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.multimodal and c.role != "aggregated":
+        return (f"a {c.role} engine hands requests over without their frame positions: "
+                "multimodal runs on an aggregated engine only")
+    return None
+
+
+def _multimodal_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if c.multimodal and c.cuda_graphs:
+        return ("decode graphs are captured over plain positions; a frame request's decode rows "
+                "rotate by mRoPE positions: turn cuda_graphs or multimodal off")
+    return None
+
+
 RULES: list[Rule] = [
     Rule("device_present",
          "The configured device is on this machine (cuda needs a CUDA device).",
@@ -724,6 +773,16 @@ RULES: list[Rule] = [
     Rule("transfer_backend_serves_the_device",
          "The transfer backend moves the device's tensors (gloo on cpu, nccl on cuda) and this torch "
          "build has it.", _transfer_backend),
+    Rule("multimodal_model_has_a_vision_tower",
+         "Multimodal input needs a model with a vision tower read out to its hidden width.",
+         _multimodal_tower),
+    Rule("multimodal_without_speculation",
+         "Multimodal input runs without speculation.", _multimodal_speculation),
+    Rule("multimodal_aggregated_only",
+         "Multimodal input runs on an aggregated engine (no disaggregated role).",
+         _multimodal_aggregated),
+    Rule("multimodal_without_cuda_graphs",
+         "Multimodal input runs without CUDA graphs.", _multimodal_graphs),
 ]
 
 
@@ -751,7 +810,11 @@ class RoutePlan:
 
 
 def _op_runs(config: EngineConfig, name: str) -> bool:
-    """Verify-width ops run only with speculation."""
+    """Verify-width ops run only with speculation, the multimodal ops only with multimodal."""
+    from impl.model.ops import MULTIMODAL_OPS
+
+    if name in MULTIMODAL_OPS:
+        return config.multimodal
     return name not in VERIFY_WIDTH_OPS or config.speculative is not None
 
 
@@ -784,6 +847,12 @@ def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
 # ---------------------------------------------------------------------------- explain
 
 
+def _multimodal_ops() -> tuple[str, ...]:
+    from impl.model.ops import MULTIMODAL_OPS
+
+    return MULTIMODAL_OPS
+
+
 def _receipt_summary(op: OpFile, variant: str, arch: str, book: dict) -> str:
     from certify.receipts.store import freshness
 
@@ -809,6 +878,7 @@ def _fmt_config(c: EngineConfig) -> str:
             f"gdn_commit={c.gdn_commit}"
             + (f" role={c.role} transfer_backend={transfer_backend(c)}" if c.role != "aggregated"
                else "")
+            + (" multimodal=True" if c.multimodal else "")
             + "".join(f" numerics[{op}]={tier}" for op, tier in sorted(c.numerics.items())))
 
 
@@ -842,7 +912,8 @@ def explain(config: EngineConfig, ctx: RuleContext | None = None,
     lines.append(f"variants on {ctx.arch}:")
     for name, op in sorted(ctx.catalog.ops.items()):
         if name not in plan.choices:
-            lines.append(f"  {name}: not run (speculation off)")
+            off = "multimodal" if name in _multimodal_ops() else "speculation"
+            lines.append(f"  {name}: not run ({off} off)")
             continue
         ch = plan.choices[name]
         if ch.variant is None:

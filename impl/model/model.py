@@ -72,6 +72,9 @@ class StepRows:
     context: int
     table: torch.Tensor | None = None
     ple_history: torch.Tensor | None = None
+    # [3, N] rotary positions of a step holding a frame prompt (impl/model/vision.py); None: the
+    # rows rotate by ``positions``
+    rope_positions: torch.Tensor | None = None
 
     @classmethod
     def build(cls, spans: list[Span]) -> StepRows:
@@ -329,7 +332,8 @@ class Model:
         gate = self._linear(u, w.w_gate).view(N, hq, dh)
         k = self._linear(u, w.w_k).view(N, hkv, dh)
         v = self._linear(u, w.w_v).view(N, hkv, dh)
-        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, rows.positions.to(dev), cfg.rotary_dim,
+        rope = rows.positions if rows.rope_positions is None else rows.rope_positions
+        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, rope.to(dev), cfg.rotary_dim,
                                 cfg.rope_theta, cfg.eps, step=rows.kind, context=axes["context"])
         q_index = self._linear(u, w.w_qI).view(N, hi, di)
         k_index = ops.rmsnorm(self._linear(u, w.w_kI), w.kI_norm, cfg.eps)
@@ -427,21 +431,28 @@ class Model:
     # ------------------------------------------------------------------ the passes
 
     def trunk(self, ids: torch.Tensor, rows: StepRows, cache: EngineCache,
-              logit_rows: list[int] | None = None) -> StepOutput:
+              logit_rows: list[int] | None = None,
+              splice: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
         """The trunk over one step's rows (``ids`` int64 [N] on the CPU); updates ``cache``. Only
         ``logit_rows`` are read out through the LM head (default: every row): a prompt chunk needs
-        the logits of its last row at most, and 8192 rows of a 151936-word head would be 5 GB."""
-        out = self.trunk_forward(ids, ids.to(self.w.device), rows, cache, logit_rows)
+        the logits of its last row at most, and 8192 rows of a 151936-word head would be 5 GB.
+        ``splice``: (step row indices [m], rows [m, C]) that replace those rows' token embeddings
+        (a frame prompt's tower rows, docs/spec.md, "Vision input")."""
+        out = self.trunk_forward(ids, ids.to(self.w.device), rows, cache, logit_rows, splice)
         self.advance(ids, rows.spans, cache)
         return out
 
     def trunk_forward(self, ids: torch.Tensor, ids_dev: torch.Tensor, rows: StepRows,
-                      cache: EngineCache, logit_rows: list[int] | None = None) -> StepOutput:
+                      cache: EngineCache, logit_rows: list[int] | None = None,
+                      splice: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
         """The trunk's device work over one step (``trunk`` without the host-side bookkeeping of
         ``advance``); a captured step (impl/model/graphs.py) replays exactly this."""
         w, cfg = self.w, self.cfg
         record = VerifyRecord() if any(sp.mode == "verify" for sp in rows.spans) else None
         x_emb = w.embed[ids_dev]
+        if splice is not None:
+            at, frame_rows = splice
+            x_emb = x_emb.index_copy(0, at.to(x_emb.device), frame_rows.to(x_emb.dtype))
         e = self._ple(ids, ids_dev, x_emb, rows, cache, record)
         X = self._streams(x_emb, cfg.hc_streams)
         m = X[:, 0]

@@ -21,6 +21,7 @@ Storage conventions (the engine's state, updated here in place):
 
 from __future__ import annotations
 
+import math
 from functools import partial
 from typing import Any, Callable
 
@@ -37,6 +38,7 @@ from spec.ops import norms as spec_norms
 from spec.ops import ple as spec_ple
 from spec.ops import qsa as spec_qsa
 from spec.ops import rope as spec_rope
+from spec.ops import vision as spec_vision
 from spec.ops.kv_storage import FP8_DTYPE, NVFP4_BLOCK
 from spec.ops.qsa import TOKENS_PER_BLOCK, selection_width
 
@@ -56,6 +58,8 @@ INDEX_SHARE_OPS: tuple[str, ...] = ("qsa_select", "qsa_expand")
 SPECULATION_OPS: tuple[str, ...] = ("gdn_verify", "greedy_verify", "rollback_commit",
                                     "mtp_draft_input")
 KV_CODEC_OPS: dict[str, str] = {"fp8": "kv_fp8", "nvfp4": "kv_nvfp4"}
+# Dispatched only by an engine with multimodal input (EngineConfig.multimodal), once per request.
+MULTIMODAL_OPS: tuple[str, ...] = ("vision_tower",)
 
 # Ops whose binding calls the spec function of a non-exact tier's reference variant (same signature).
 TIER_REFERENCE_BINDINGS: tuple[str, ...] = ("gdn_prefill",)
@@ -302,17 +306,38 @@ class Ops:
 
     def qk_norm_rope(self, q, k, q_norm, k_norm, positions, rotary_dim, theta, eps, *, step: str,
                      context: int):
+        """``positions`` [N] (plain RoPE) or [3, N] (a step holding a frame prompt: interleaved
+        mRoPE with the sections of ``spec.ops.vision.mrope_sections(rotary_dim)``)."""
+        mrope = positions.dim() == 2
         ref, impl = self._choose("qk_norm_rope", step="decode" if step == "decode" else "prefill",
-                                 rows=q.shape[0], context=context, rope="plain",
+                                 rows=q.shape[0], context=context,
+                                 rope="mrope" if mrope else "plain",
                                  act_dtype=DTYPE_NAME[q.dtype], q_heads=q.shape[1],
                                  kv_heads=k.shape[1], head_dim=q.shape[2])
+        kw = {"sections": spec_vision.mrope_sections(rotary_dim)} if mrope else {}
         if ref:
-            return spec_rope.qk_norm_rope(q, k, q_norm, k_norm, positions, rotary_dim, theta, eps)
+            return spec_rope.qk_norm_rope(q, k, q_norm, k_norm, positions, rotary_dim, theta, eps,
+                                          **kw)
         q_out, k_out = torch.empty_like(q), torch.empty_like(k)
         self._kernel_outputs(impl, {"q": q, "k": k, "w_q": q_norm, "w_k": k_norm,
                                     "positions": positions}, {"q_out": q_out, "k_out": k_out},
-                             rotary_dim=rotary_dim, theta=theta, eps=eps)
+                             rotary_dim=rotary_dim, theta=theta, eps=eps, **kw)
         return q_out, k_out
+
+    def vision_tower(self, frames: torch.Tensor, vw, heads: int) -> torch.Tensor:
+        """A request's frames [F, C, H, W] through the tower (``vw``: spec.ops.vision's
+        VisionWeights) -> [F gh gw, out_width] in the frames' dtype."""
+        ref, impl = self._choose("vision_tower", frames=frames.shape[0],
+                                 frame_size=frames.shape[-1], act_dtype=DTYPE_NAME[frames.dtype])
+        if ref:
+            return spec_vision.vision_tower(frames, **vw.as_dict(), heads=heads)
+        patch = math.isqrt(vw.patch_w.shape[1] // frames.shape[1])
+        per_frame = (frames.shape[-2] // patch) * (frames.shape[-1] // patch)
+        out = torch.empty(frames.shape[0] * per_frame, vw.w_out.shape[0], dtype=frames.dtype,
+                          device=frames.device)
+        self._kernel_outputs(impl, {"frames": frames.contiguous(), **vw.as_dict(),
+                                    "heads": heads}, {"out": out})
+        return out
 
     def qsa_kv_append(self, planes, block_table, seq_ids, positions, k, v, store_k, store_v,
                       gs: tuple[torch.Tensor, torch.Tensor], *, axes: dict) -> None:

@@ -4,9 +4,10 @@ vocabulary of 256."""
 
 from impl.tasks.arithmetic import Arithmetic
 from impl.tasks.base import Params, Sample, Task
+from impl.tasks.frames import Frames
 from impl.tasks.mqar import Mqar
 from impl.tasks.retrieval import Retrieval
 
-TASKS: dict[str, Task] = {t.name: t for t in (Arithmetic(), Mqar(), Retrieval())}
+TASKS: dict[str, Task] = {t.name: t for t in (Arithmetic(), Mqar(), Retrieval(), Frames())}
 
 __all__ = ["TASKS", "Sample", "Params", "Task"]

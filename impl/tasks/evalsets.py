@@ -59,6 +59,10 @@ EVAL_SETS: dict[str, EvalSet] = {s.name: s for s in (
     EvalSet(name="retrieval_8k", task="retrieval", size=100, params={"length": 8192},
             sha256="0a0a151707d291899641ba96ead2d4f4914e082e711eecce295018c16a40b91d",
             why="64 records in 8192 tokens (256 blocks), the longest trained length"),
+    EvalSet(name="frames", task="frames", size=200, params={"frames": 4},
+            sha256="90da317aad39ca8e717c38638af391e19c1507f9f01326ba435f4df8a9842049",
+            why="which of 4 frames (2 tower groups, 16 frame rows) holds the bright square: 1 in 4 "
+                "by chance"),
 )}
 
 

@@ -119,15 +119,17 @@ class QSA(nn.Module):
                 shared: torch.Tensor | None = None, index_loss: bool = False,
                 index_rows: torch.Tensor | None = None,
                 index_margin: tuple[torch.Tensor, float] | None = None,
-                chain: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
-                ) -> torch.Tensor:
+                chain: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+                rope_positions: torch.Tensor | None = None) -> torch.Tensor:
         """``chain``: this is draft step j = len(chain) + 1 >= 2 of every row at once (see
         ``attend_chain``); chain[0] holds step 1's (k, v, block keys), chain[i] step i + 1's.
         ``index_rows``: per-row weights [B, T] of the index loss (``index_kl``); ``index_margin``:
-        (rows [B, T] bool, margin) of its ranking hinge."""
+        (rows [B, T] bool, margin) of its ranking hinge. ``rope_positions``: [3, T] mRoPE
+        positions of a frame prompt (the rotation only; selection reads the token index)."""
         B, T, _ = u.shape
         pos = torch.arange(T, device=u.device)
-        q, gate, k, v, qI, kI, wI = self.project(u, pos, cfg)
+        q, gate, k, v, qI, kI, wI = self.project(u, pos if rope_positions is None else rope_positions,
+                                                 cfg)
         kbar = block_keys(kI) if not chain else chain[0][2]
         self.kv = (k, v, kbar)
         self.q = q  # for diagnostics (dense_block_mass); autograd keeps it anyway
@@ -455,18 +457,21 @@ class TrainModel(nn.Module):
     def forward(self, ids: torch.Tensor, rows: torch.Tensor | None = None, *,
                 attention: str = "sparse", index_loss: bool = False,
                 index_rows: torch.Tensor | None = None,
-                index_margin: tuple[torch.Tensor, float] | None = None):
+                index_margin: tuple[torch.Tensor, float] | None = None,
+                embeds: torch.Tensor | None = None, rope_positions: torch.Tensor | None = None):
         """Trunk over ids [B, T]: (logits [B, T, V], hidden m [B, T, C]); ``index_rows``: the index
         loss's row weights [B, T], ``index_margin``: its ranking hinge's rows and margin (see
-        ``index_kl``)."""
+        ``index_kl``). ``embeds`` [B, T, C] replaces the token embeddings (a frame prompt's spliced
+        rows) and ``rope_positions`` [3, T] the QSA layers' rotary positions."""
         rows = self.ngram_rows(ids).to(ids.device) if rows is None else rows
-        x = self.embed[ids]
+        x = self.embed[ids] if embeds is None else embeds
         e = self.ple_embed(ids, rows, x)
         X = self.streams(x)
         m = x
         for li, layer in enumerate(self.layers):
             X, m = layer(X, e[:, :, li], self.cfg, attention=attention, index_loss=index_loss,
-                         index_rows=index_rows, index_margin=index_margin)
+                         index_rows=index_rows, index_margin=index_margin,
+                         **({} if rope_positions is None else {"rope_positions": rope_positions}))
         return self.read_out(m), m
 
     def draft(self, h_prev: torch.Tensor, next_ids: torch.Tensor, *, attention: str = "sparse",

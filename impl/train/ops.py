@@ -129,11 +129,19 @@ def gdn_chunked(q, k, v, g, beta, chunk: int = 64) -> torch.Tensor:
 
 
 def rope(x: torch.Tensor, positions: torch.Tensor, rotary_dim: int, theta: float) -> torch.Tensor:
-    """spec.ops.rope NeoX rotation of the first ``rotary_dim`` dims; x [..., T, H, D], positions [T]
-    (angles in float64, as the spec builds its table)."""
-    j = torch.arange(rotary_dim // 2, dtype=torch.float64, device=x.device)
-    inv = torch.pow(torch.tensor(theta, dtype=torch.float64, device=x.device), -2.0 * j / rotary_dim)
-    ang = positions.to(torch.float64)[:, None] * inv[None, :]
+    """spec.ops.rope NeoX rotation of the first ``rotary_dim`` dims; x [..., T, H, D], positions [T],
+    or [3, T] for interleaved mRoPE with ``spec.ops.vision.mrope_sections(rotary_dim)`` (a frame
+    prompt); angles in float64, as the spec builds its table."""
+    if positions.dim() == 2:
+        from spec.ops.rope import rope_angles
+        from spec.ops.vision import mrope_sections
+
+        ang = rope_angles(positions, rotary_dim, theta, mrope_sections(rotary_dim))
+    else:
+        j = torch.arange(rotary_dim // 2, dtype=torch.float64, device=x.device)
+        inv = torch.pow(torch.tensor(theta, dtype=torch.float64, device=x.device),
+                        -2.0 * j / rotary_dim)
+        ang = positions.to(torch.float64)[:, None] * inv[None, :]
     cos, sin = torch.cos(ang).to(x.dtype)[:, None, :], torch.sin(ang).to(x.dtype)[:, None, :]
     half = rotary_dim // 2
     x1, x2, rest = x[..., :half], x[..., half:rotary_dim], x[..., rotary_dim:]

@@ -1,0 +1,1 @@
+"""The vision tower's fast paths (docs/spec.md, "Vision input")."""
