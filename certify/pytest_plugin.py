@@ -30,7 +30,8 @@ import pytest
 from certify.harness.archs import choose_triton_mode, present_archs
 from certify.files.problem import FileProblem
 from certify.catalog.load import load_op_file
-from certify.harness.target import certify_cell, certifying_problem
+from certify.harness.checks import certify_checked
+from certify.harness.target import certifying_problem
 from certify.files.paths import project_paths
 from certify.catalog.plan import Target, targets
 from certify.receipts.codehash import content_hash
@@ -137,11 +138,11 @@ class CertifyItem(pytest.Item):
         reason = why_skipped(t.variant)
         if reason:
             pytest.skip(reason)
-        outcome = certify_cell(t.op, t.variant.name, t.cell, t.arch)
+        outcome, harness = certify_checked(t.op, t.variant.name, t.cell, t.arch)
         receipts_dir = self.config.getoption("--certify-receipts")
         if receipts_dir:
             worker = getattr(self.config, "workerinput", {}).get("workerid", "main")
-            r = make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome)
+            r = make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome, harness)
             write_receipts(Path(receipts_dir) / worker, [r])
         if outcome.status != "passed":
             raise CertificationFailure(f"{t.name}: {outcome.status}\n{outcome.message}")
