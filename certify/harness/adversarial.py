@@ -135,12 +135,15 @@ def prepare(impl: Callable, case: Case) -> None:
 def call(impl: Callable, case: Case, inputs: dict[str, Any],
          outs: dict[str, torch.Tensor] | None = None) -> dict[str, Any]:
     """Call the variant on ``inputs`` (used as given: pass copies) into ``outs`` (default: fresh
-    poisoned buffers); return every output, the in-place ones as the updated inputs."""
+    poisoned buffers, copied into guarded ones); return every output, the in-place ones as the
+    updated inputs."""
     prepare(impl, case)
     if outs is None:
         device = next((t.device for v in inputs.values() for t in _tensors(v)), "cpu")
         outs = {n: oracles.poison(torch.empty(s.shape, dtype=s.dtype, device=device))
                 for n, s in case.outputs.items() if n not in case.inplace}
+    # inside guarded buffers as in the certifying call, so that a stray write lands in a canary
+    outs = {n: _guard(t)[0] for n, t in outs.items()}
     impl(**inputs, **outs)
     got = dict(outs)
     for out_name, in_name in case.inplace.items():

@@ -56,22 +56,30 @@ def run_checks(op: OpFile, variant_name: str, cell: Cell, probe: adversarial.Pro
     if probe.first is None:
         return verdicts | {c: adversarial.not_run("the variant raised") for c in CHECKS
                            if c not in verdicts}
-    if outcome.status != "passed":
+    variant = op.variant(variant_name)
+    verdicts["inplace_unowned_rows"] = _guarded(lambda: _unowned(op, variant, probe))
+    if outcome.status != "passed":  # the calls below cost as much as the certifying one
         return verdicts | {c: adversarial.not_run(f"the certification {outcome.status}")
                            for c in CHECKS if c not in verdicts}
-    variant = op.variant(variant_name)
     contract = contract_of(op)
     seed = seed_for(op.op, cell.id)
-    verdicts["inplace_unowned_rows"] = _unowned(op, variant, probe)
     meta = metamorphic.check(probe, variant.batch_invariant, contract, seed)
     if meta["rows_order"] == adversarial.PASSED:
         # that call ran into the first call's dirty buffers and gave its bytes, row for row
         verdicts["dirty_reuse"] = adversarial.PASSED
     else:
-        verdicts["dirty_reuse"] = adversarial.dirty_reuse(probe)
-    verdicts["views"] = adversarial.views(probe, contract.views)
-    verdicts["cuda_graph"] = adversarial.cuda_graph(probe)
+        verdicts["dirty_reuse"] = _guarded(lambda: adversarial.dirty_reuse(probe))
+    verdicts["views"] = _guarded(lambda: adversarial.views(probe, contract.views))
+    verdicts["cuda_graph"] = _guarded(lambda: adversarial.cuda_graph(probe))
     return verdicts | meta
+
+
+def _guarded(check) -> str:
+    """A check's verdict; a variant that raises on a call the certifying one did not is a failure."""
+    try:
+        return check()
+    except Exception as e:  # noqa: BLE001
+        return adversarial.failed(f"the variant raised: {type(e).__name__}: {e}".splitlines()[0])
 
 
 def _unowned(op: OpFile, variant, probe: adversarial.Probe) -> str:
