@@ -9,8 +9,8 @@ the certifying one, whose results (``first``) they are checked against:
 - ``rows_order``: the rows in a seeded shuffled order, into the first call's output buffers (still
   holding its results: every row's buffer holds another row's result): row i must be the first
   call's row perm[i], a shared buffer the first call's bytes;
-- ``batch_size``: a shuffled subset of about a quarter of the rows, as a launch of its own: row i
-  must be the first call's row sub[i], and an element of a shared in-place buffer either the first
+- ``batch_size``: a shuffled subset of about a quarter of the rows, then one row, each as a launch
+  of its own: row i must be the first call's row sub[i], and an element of a shared in-place buffer either the first
   call's or the one it had before (the rows left out write nothing).
 Where ``rows_order`` fails, a plain second call tells a stale read of the dirty buffers from a
 dependence on the order (``dirty_reuse``).
@@ -111,8 +111,21 @@ def rows_order(probe: Probe, split: RowSplit, seed: int) -> str:
 
 
 def batch_size(probe: Probe, split: RowSplit, seed: int) -> str:
-    m = max(1, split.n // 4)
-    sub = torch.randperm(split.n, generator=_generator(seed + 1))[:m]
+    """Two launches of their own: a shuffled subset of about a quarter of the rows, and one row
+    alone (the smallest launch, where a GEMM turns into a GEMV and tile choices differ)."""
+    drawn = torch.randperm(split.n, generator=_generator(seed + 1))
+    subsets = [drawn[: max(1, split.n // 4)]]
+    if split.n // 4 > 1:
+        subsets.append(drawn[-1:])
+    for sub in subsets:
+        problem = _subset_problem(probe, split, sub)
+        if problem:
+            return failed(problem)
+    return PASSED
+
+
+def _subset_problem(probe: Probe, split: RowSplit, sub: torch.Tensor) -> str | None:
+    m = len(sub)
     case = probe.case
     inputs = _launch(probe, split, sub)
     device = next((t.device for v in inputs.values() for t in _tensors(v)), "cpu")
@@ -121,9 +134,7 @@ def batch_size(probe: Probe, split: RowSplit, seed: int) -> str:
         if name in case.inplace:
             continue
         shape = (m, *s.shape[1:]) if name in split.outputs else s.shape
-        outs[name] = torch.empty(shape, dtype=s.dtype, device=device)
-    for t in outs.values():
-        oracles.poison(t)
+        outs[name] = oracles.poison(torch.empty(shape, dtype=s.dtype, device=device))
     got = call(probe.impl, case, inputs, outs)
     problems = []
     for name in case.outputs:
@@ -136,9 +147,8 @@ def batch_size(probe: Probe, split: RowSplit, seed: int) -> str:
         if p:
             problems.append(p)
     if not problems:
-        return PASSED
-    return failed(f"rows {sub.tolist()[:16]} launched alone ({m} of {split.n}): "
-                  + "; ".join(problems))
+        return None
+    return (f"rows {sub.tolist()[:16]} launched alone ({m} of {split.n}): " + "; ".join(problems))
 
 
 def _first_or_before(got: Any, first: Any, before: Any, name: str) -> str | None:
