@@ -117,3 +117,62 @@ def test_a_pool_row_no_request_owns_written_fails_the_unowned_rows_check():
     assert outcome.status == "failed"
     outcome, harness = certify_checked(op, "torch", cell, "cpu")
     assert harness["checks"]["inplace_unowned_rows"] == "passed"
+
+
+def test_outdated_selects_receipts_whose_checks_are_missing_or_of_other_code(tmp_path, monkeypatch):
+    from certify.catalog.load import load_catalog
+    from certify.harness import runner
+    from certify.receipts.store import load_receipts, write_receipts
+    from tests.framework.tmp_project import make_project
+
+    project = make_project(tmp_path)
+    cat, receipts = load_catalog(project / "cells"), project / "receipts"
+    chosen = runner.select(cat, archs=["cpu"], only_outdated=True, receipts_dir=receipts)
+    assert len(chosen) == 2
+    runner.run_targets(chosen, receipts, show_progress=False)
+    assert runner.select(cat, archs=["cpu"], only_outdated=True, receipts_dir=receipts) == []
+    monkeypatch.setattr(runner, "harness_hash", lambda op: "other checks")
+    assert len(runner.select(cat, archs=["cpu"], only_outdated=True, receipts_dir=receipts)) == 2
+    monkeypatch.undo()
+    old = [r.model_copy(update={"harness": {}}) for r in load_receipts(receipts)["cpu"].values()]
+    write_receipts(receipts, old)
+    assert "harness" not in (receipts / "cpu.jsonl").read_text()  # written as before the checks
+    assert len(runner.select(cat, archs=["cpu"], only_outdated=True, receipts_dir=receipts)) == 2
+
+
+def test_the_op_note_shows_each_receipts_checks_and_says_harness_not_run_for_older_ones(tmp_path):
+    from certify.catalog.load import Catalog
+    from certify.report import build_rows, op_markdown
+
+    op = norm_op(tmp_path)
+    cell = op.cells[0]
+    books = {}
+    for arch, variant in (("cpu", "clean"), ("cpu", "scribbles_on_its_input")):
+        outcome, harness = certify_checked(op, variant, cell, arch)
+        books.setdefault(arch, {})[(op.op, variant, cell.id)] = make_receipt(
+            op, variant, cell, arch, outcome, harness)
+    old, _ = certify_checked(op, "small_batches_rounded_otherwise", cell, "cpu")
+    books["cpu"][(op.op, "small_batches_rounded_otherwise", cell.id)] = make_receipt(
+        op, "small_batches_rounded_otherwise", cell, "cpu", old)
+    note = op_markdown(op, build_rows(Catalog(ops={op.op: op}), books))
+    section = note[note.index("## Harness checks"):]
+    assert "| clean " in section and "current" in section and "FAIL" in section
+    assert ("harness: not run (receipts made before the harness checks existed; their numbers stay "
+            "fresh): `small_batches_rounded_otherwise` at `rows_8` on cpu") in section
+    assert "- `views` not run: the contract admits only contiguous tensors" in section
+
+
+def test_a_wrong_batch_invariance_claim_fails_its_target():
+    """ple_embed's torch variant: its batched GEMM rounds a row of a one-row launch otherwise than
+    inside 128 rows, so it must not claim batch invariance; with the claim, the check fails it."""
+    from certify.harness import contract
+
+    op = load_op_file(project_paths().cells / "ple_embed.yaml")
+    assert not op.variant("torch").batch_invariant
+    claimed = op.variant("torch").model_copy(update={"batch_invariant": True})
+    wrong = op.model_copy(update={"variants": tuple(claimed if v.name == "torch" else v
+                                                    for v in op.variants)})
+    contract.register(wrong, contract.contract_of(op))
+    outcome, harness = certify_checked(wrong, "torch", op.cell("decode_rows_t128"), "cpu")
+    assert harness["checks"]["batch_size"].startswith("failed: rows ["), harness["checks"]
+    assert outcome.status == "failed"
