@@ -176,3 +176,24 @@ def test_a_wrong_batch_invariance_claim_fails_its_target():
     outcome, harness = certify_checked(wrong, "torch", op.cell("decode_rows_t128"), "cpu")
     assert harness["checks"]["batch_size"].startswith("failed: rows ["), harness["checks"]
     assert outcome.status == "failed"
+
+
+def test_a_verifying_item_repeats_only_the_certifying_calls_checks(tmp_path):
+    from certify.harness.verified import REPEATED, certify_verifying, standing_verdicts
+    from certify.receipts.store import library_versions
+
+    op = norm_op(tmp_path)
+    cell, now = op.cells[0], library_versions()
+    outcome, harness = run(op, "clean")
+    receipt = make_receipt(op, "clean", cell, "cpu", outcome, harness)
+    standing = standing_verdicts(receipt, op, "cpu", now)
+    assert standing == harness["checks"]
+    assert standing_verdicts(receipt.model_copy(update={"harness": {}}), op, "cpu", now) is None
+    other = receipt.model_copy(update={"versions": receipt.versions | {"torch": "0.0"}})
+    assert standing_verdicts(other, op, "cpu", now) is None   # not comparable: every check runs
+    again, rec = certify_verifying(op, "clean", cell, "cpu", standing)
+    assert again.status == "passed" and rec["checks"] == harness["checks"]
+    assert rec["standing"] == list(REPEATED)
+    # the certifying call's own checks still run: a scribbler fails whatever the receipt says
+    bad, rec = certify_verifying(op, "scribbles_on_its_input", cell, "cpu", standing)
+    assert bad.status == "failed" and rec["checks"]["inputs_untouched"].startswith("failed")
