@@ -202,7 +202,17 @@ def _cmd_schema(args: argparse.Namespace) -> int:
 
 
 def schema_text() -> str:
-    return json.dumps(ExtendedOpFile.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    """The cell-file schema with the harness section (``certify.harness.contract``), which is read
+    beside the schema so that it stays out of the content hash."""
+    from certify.harness.contract import SECTION, HarnessContract  # noqa: PLC0415
+
+    schema = ExtendedOpFile.model_json_schema()
+    harness = HarnessContract.model_json_schema(ref_template="#/$defs/{model}")
+    schema.setdefault("$defs", {}).update(harness.pop("$defs", {}))
+    schema["$defs"]["HarnessContract"] = harness
+    schema["properties"][SECTION] = {"$ref": "#/$defs/HarnessContract", "description": (
+        "what the op's calling contract admits, for the harness checks")}
+    return json.dumps(schema, indent=2, sort_keys=True) + "\n"
 
 
 def _cmd_check(args: argparse.Namespace) -> int:

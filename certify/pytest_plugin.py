@@ -30,7 +30,7 @@ import pytest
 from certify.harness.archs import choose_triton_mode, present_archs
 from certify.files.problem import FileProblem
 from certify.catalog.load import load_op_file
-from certify.harness.extended import certify_cell
+from certify.harness.verified import certify_verifying, standing_verdicts
 from certify.harness.target import certifying_problem
 from certify.files.paths import project_paths
 from certify.catalog.plan import Target, targets
@@ -138,11 +138,18 @@ class CertifyItem(pytest.Item):
         reason = why_skipped(t.variant)
         if reason:
             pytest.skip(reason)
-        outcome = certify_cell(t.op, t.variant.name, t.cell, t.arch)
+        committed = _committed_receipts(self.config).get(t.arch, {}).get(
+            (t.op.op, t.variant.name, t.cell.id))
+        fresh = committed is not None and committed.hash == content_hash(t.op, t.variant.name,
+                                                                         t.cell)
+        now = library_versions() | required_versions(t.variant)
+        outcome, harness = certify_verifying(
+            t.op, t.variant.name, t.cell, t.arch,
+            standing_verdicts(committed, t.op, t.arch, now) if fresh else None)
         receipts_dir = self.config.getoption("--certify-receipts")
         if receipts_dir:
             worker = getattr(self.config, "workerinput", {}).get("workerid", "main")
-            r = make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome)
+            r = make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome, harness)
             write_receipts(Path(receipts_dir) / worker, [r])
         if outcome.status != "passed":
             raise CertificationFailure(f"{t.name}: {outcome.status}\n{outcome.message}")
@@ -151,10 +158,7 @@ class CertifyItem(pytest.Item):
         if problem:
             raise CertificationFailure(problem)
         # The run is a verification of the committed receipt (certify.receipts.verify), where comparable.
-        committed = _committed_receipts(self.config).get(t.arch, {}).get(
-            (t.op.op, t.variant.name, t.cell.id))
-        if committed is not None and committed.hash == content_hash(t.op, t.variant.name, t.cell):
-            now = library_versions() | required_versions(t.variant)
+        if fresh:
             mismatches, _ = compare(committed, outcome, now)
             if mismatches:
                 raise CertificationFailure(

@@ -8,13 +8,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from pydantic import ValidationError
+
 
 from certify.files.problem import FileProblem
 from certify.catalog.plan import targets, variants_of_cell
 from certify.catalog.rules import evaluate, rule_names
 from certify.catalog.cell_extensions import ExtendedOpFile, extension_problem
 from certify.catalog.schema import OpFile
-from certify.files.yamlfile import field_name, load_validated, locate
+from certify.files.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
+from certify.harness import contract as harness_contract
 
 
 @dataclass
@@ -121,7 +124,17 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
 def load_op_file(path: Path) -> OpFile:
     """Load and validate one cell file; raise FileProblem (file, line, field) on the first problem."""
     path = Path(path)
-    op, lines = load_validated(path, ExtendedOpFile)
+    try:
+        data, lines = load_mapping(path)
+    except YamlProblem as p:
+        raise FileProblem(path, p.line, p.field, p.message) from None
+    # The harness section is read beside the schema, so that it never enters the content hash.
+    section = data.pop(harness_contract.SECTION, None)
+    try:
+        op = ExtendedOpFile.model_validate(data)
+    except ValidationError as e:
+        raise FileProblem(path, *first_problem(e, lines)) from None
+    harness_contract.register(op, harness_contract.parse(path, section, lines))
     if op.op != path.stem:
         raise FileProblem(path, locate(("op",), lines), "op",
                            f"op {op.op!r} must match the file name {path.stem!r}")

@@ -16,13 +16,17 @@ from certify.harness.archs import device_for
 from certify.harness.set_oracle import check_selection
 
 
+def op_for_cell(op: OpFile, cell: Cell) -> OpFile:
+    """The op as the cell builds its inputs: with the cell's own builder where it names one."""
+    inputs = cell_inputs(op, cell)
+    return op if inputs == op.inputs else op.model_copy(update={"inputs": inputs})
+
+
 def certify_cell(op: OpFile, variant_name: str, cell: Cell, arch: str,
                  impl_override: Callable | None = None) -> target.Outcome:
     """``certify.harness.target.certify_cell`` for any cell: with its own builder where it names one,
     and through the set oracle where it has a selection. Never raises."""
-    inputs = cell_inputs(op, cell)
-    if inputs != op.inputs:
-        op = op.model_copy(update={"inputs": inputs})
+    op = op_for_cell(op, cell)
     if selection_of(cell) is None:
         return target.certify_cell(op, variant_name, cell, arch, impl_override)
     return _certify_selection(op, variant_name, cell, arch, impl_override)

@@ -88,12 +88,12 @@ def certify_remote(root: str, cells: str, op: str, variant: str, cell: str, arch
     torch.set_num_threads(cpus)
 
     from certify.catalog.load import load_op_file  # noqa: PLC0415
-    from certify.harness.extended import certify_cell  # noqa: PLC0415
+    from certify.harness.checks import certify_checked  # noqa: PLC0415
     from certify.receipts.store import make_receipt, write_receipts  # noqa: PLC0415
 
     spec = load_op_file(Path(cells) / f"{op}.yaml")
     c = spec.cell(cell)
-    receipt = make_receipt(spec, variant, c, arch, certify_cell(spec, variant, c, arch))
+    receipt = make_receipt(spec, variant, c, arch, *certify_checked(spec, variant, c, arch))
     worker = ray.get_runtime_context().get_worker_id()[:12]
     write_receipts(Path(out) / worker, [receipt])
     return receipt.model_dump_json()

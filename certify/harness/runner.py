@@ -11,7 +11,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from certify.harness.archs import present_archs
 from certify.catalog.load import Catalog
-from certify.harness.extended import certify_cell
+from certify.harness.checks import certify_checked
+from certify.harness.contract import harness_hash
 from certify.catalog.plan import Target, targets
 from certify.receipts.store import (UP_TO_DATE, Receipt, freshness, load_receipts, make_receipt,
                                     write_receipts)
@@ -32,8 +33,9 @@ def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | No
                 continue
             if only_outdated:
                 r = books.get(t.arch, {}).get((op.op, t.variant.name, t.cell.id))
-                if freshness(r, op, t.variant.name, t.cell, t.arch) in UP_TO_DATE:
-                    continue
+                if freshness(r, op, t.variant.name, t.cell, t.arch) in UP_TO_DATE and \
+                        r.harness.get("hash") == harness_hash(op):
+                    continue  # fresh numbers whose harness checks ran under today's checks
             chosen.append(t)
     return chosen
 
@@ -58,8 +60,8 @@ def run_targets(chosen: list[Target], receipts_dir: Path | None, show_progress: 
                 print(f"skipped {t.name}: {reason}", file=sys.stderr)
                 progress.advance(task)
                 continue
-            outcome = certify_cell(t.op, t.variant.name, t.cell, t.arch)
-            receipt = make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome)
+            outcome, harness = certify_checked(t.op, t.variant.name, t.cell, t.arch)
+            receipt = make_receipt(t.op, t.variant.name, t.cell, t.arch, outcome, harness)
             if receipts_dir is not None:
                 write_receipts(receipts_dir, [receipt])
             out.append(receipt)

@@ -31,9 +31,10 @@ import os
 import platform
 import sys
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError, model_serializer
 
 from certify.files.atomic import atomic_write_bytes, locked
 from certify.receipts.codehash import content_hash
@@ -57,6 +58,17 @@ class Receipt(BaseModel):
     seconds: float = 0.0
     seed: int | None = None     # the input builder's seed, ``seed_for(op, cell)``
     digests: dict[str, str] = {}  # output name -> ``tensor_digest`` of what the variant wrote
+    # the harness checks that ran (``certify.harness.checks``): their code's hash, each check's
+    # verdict and their seconds; empty for a receipt made before the checks existed
+    harness: dict[str, Any] = {}
+
+    @model_serializer(mode="wrap")
+    def _without_empty_harness(self, handler):
+        # a receipt made before the checks existed is written as it was read
+        out = handler(self)
+        if isinstance(out, dict) and not out.get("harness"):
+            out.pop("harness", None)
+        return out
 
     @property
     def key(self) -> tuple[str, str, str]:
@@ -143,13 +155,15 @@ def numpy_blas() -> str | None:
     return None
 
 
-def make_receipt(op: OpFile, variant: str, cell: Cell, arch: str, outcome: Outcome) -> Receipt:
+def make_receipt(op: OpFile, variant: str, cell: Cell, arch: str, outcome: Outcome,
+                 harness: dict[str, Any] | None = None) -> Receipt:
     return Receipt(op=op.op, variant=variant, cell=cell.id, arch=arch, status=outcome.status,
                    metrics={k: round(v, 4) for k, v in outcome.metrics.items()},
                    message=outcome.message[:2000], hash=content_hash(op, variant, cell),
                    versions=library_versions() | required_versions(op.variant(variant)),
                    date=dt.date.today().isoformat(), seconds=round(outcome.seconds, 3),
-                   seed=seed_for(op.op, cell.id), digests=dict(sorted(outcome.digests.items())))
+                   seed=seed_for(op.op, cell.id), digests=dict(sorted(outcome.digests.items())),
+                   harness=harness or {})
 
 
 @dataclass(frozen=True)

@@ -20,6 +20,7 @@ from certify.catalog.plan import variants_of_cell
 from certify.reach import ReachFile
 from certify.reach.claims import Finding, catalog_findings, reach_findings
 from certify.receipts.store import UP_TO_DATE, evidence_problems
+from certify.report.harness_section import harness_markdown
 from certify.report.reach_sections import (cost_markdown, gaps_markdown, op_reach_markdown,
                                            terminal_gaps)
 from certify.report.rows import (ARCH_ORDER, EXACT_METRIC, MEASURED, STATUSES, Row, _archs,
@@ -176,6 +177,7 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
            "certified\" below.", "", tabulate(
         [[r.variant, r.cell, *[_status_cell(r, a) for a in archs]] for r in rows],
         headers=["variant", "cell", *archs], tablefmt="github"), ""]
+    md += harness_markdown(op, rows)
     md += _guards_markdown(op, guards)
     certified, not_certified = [], []
     for r in rows:

@@ -44,3 +44,17 @@ def test_a_slot_that_keeps_stale_state_breaks_the_relation(weights, monkeypatch)
     base = _tokens(weights, requests, batch=2)
     moved = _tokens(weights, [requests[i] for i in (2, 1, 0)], batch=2)
     assert moved != base
+
+
+def test_in_its_default_dispatch_permuting_requests_permutes_their_tokens(weights):
+    """Without batch-invariant mode the engine runs the variants its dispatch rules choose, torch
+    compositions among them, one of which (ple_embed's torch GEMM) rounds a row otherwise in a
+    launch of another size. Permuting the requests permutes the rows of each launch without
+    changing its size, so a request's tokens must still not depend on its place in the batch."""
+    e = _engine(weights, invariant=False)
+    requests = _requests(LENGTHS)
+    base = {rid: list(r.tokens) for rid, r in e.generate(requests).results.items()}
+    catalog = e.dispatcher.catalog
+    assert any(catalog.ops[op].variant(v).impl != "spec" for op, v in e.dispatcher.ran)
+    for order in ([2, 1, 0], [1, 2, 0]):
+        assert _tokens(weights, [requests[i] for i in order], invariant=False) == base, order
