@@ -12,6 +12,7 @@ from typing import Any, Iterator
 from certify.files.problem import FileProblem
 from certify.catalog.plan import targets, variants_of_cell
 from certify.catalog.rules import evaluate, rule_names
+from certify.catalog.mutants import CellFile, mutants_of
 from certify.catalog.schema import OpFile
 from certify.files.yamlfile import field_name, load_validated, locate
 
@@ -114,13 +115,23 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         against = cell.oracle.against
         if against.startswith("variant:") and against.split(":", 1)[1] not in variants:
             return ("cells", i, "oracle", "against"), f"unknown variant in {against!r}"
+    mutant_ids: set[str] = set()
+    for i, m in enumerate(mutants_of(op)):
+        if m.id in mutant_ids:
+            return ("mutants", i, "id"), f"mutant id {m.id!r} repeats"
+        mutant_ids.add(m.id)
+        if m.variant is not None and m.variant not in variants:
+            return (("mutants", i, "variant"),
+                    f"unknown variant {m.variant!r} (known: {sorted(variants)}; leave it out for the spec)")
+        if m.find == m.replace:
+            return ("mutants", i, "replace"), "the edit replaces its text with the same text"
     return None
 
 
 def load_op_file(path: Path) -> OpFile:
     """Load and validate one cell file; raise FileProblem (file, line, field) on the first problem."""
     path = Path(path)
-    op, lines = load_validated(path, OpFile)
+    op, lines = load_validated(path, CellFile)
     if op.op != path.stem:
         raise FileProblem(path, locate(("op",), lines), "op",
                            f"op {op.op!r} must match the file name {path.stem!r}")
