@@ -88,7 +88,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         report = op_report(name, results, seconds, args.jobs, archs, args.generic, note)
         print(f"{name}: {score_text(report['score'])} in {seconds:.1f} s")
         for r in report["mutants"] + report.get("generic", {}).get("mutants", []):
-            if r["status"] not in (KILLED, TIMEOUT, "equivalent"):
+            if r["status"] not in (KILLED, TIMEOUT, "equivalent", "not run"):
                 print("  " + survivor_line(r))
         if args.mutant:
             print("  (some mutants only: no report written)")

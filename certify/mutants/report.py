@@ -3,7 +3,8 @@
 notes and the coverage report show from them.
 
 An op's score is the share of its counted plausible bugs (the cell file's mutants) that its tests
-kill: a mutant declared equivalent is not counted; a timeout counts as killed (the tests caught a
+kill: a mutant declared equivalent is not counted, nor one that no test of this machine's archs
+reads (a variant of a GPU arch on a CPU machine: ``not run``); a timeout counts as killed (the tests caught a
 hang); a survivor, or an error (a worker that gave no result, a kill by a test that fails on the
 unmutated code too), counts as not killed. The same per variant (a mutant counts for the variant it
 edits, or for ``spec``). Operator mutations (``--generic``) are scored beside, never mixed in.
@@ -17,17 +18,17 @@ from pathlib import Path
 
 from certify.files.atomic import atomic_write_text, locked
 from certify.files.utf8 import read_utf8
-from certify.mutants.runner import EQUIVALENT, KILLED, SURVIVED, TIMEOUT, Result
+from certify.mutants.runner import EQUIVALENT, KILLED, NOT_RUN, SURVIVED, TIMEOUT, Result
 
 FORMAT = "mutants/1"
 DIR = "mutants"
 
 
 def _tally(results: list[dict]) -> dict:
-    counted = [r for r in results if r["status"] != EQUIVALENT]
+    counted = [r for r in results if r["status"] not in (EQUIVALENT, NOT_RUN)]
     killed = sum(r["status"] in (KILLED, TIMEOUT) for r in counted)
     out = {s: sum(r["status"] == s for r in results)
-           for s in (KILLED, SURVIVED, TIMEOUT, "error", EQUIVALENT)}
+           for s in (KILLED, SURVIVED, TIMEOUT, "error", EQUIVALENT, NOT_RUN)}
     out["counted"] = len(counted)
     out["score"] = round(100.0 * killed / len(counted), 1) if counted else None
     return out
@@ -84,7 +85,7 @@ def score_text(t: dict) -> str:
     if not t["counted"]:
         return "none counted" + (f" ({t[EQUIVALENT]} equivalent)" if t[EQUIVALENT] else "")
     killed = t[KILLED] + t[TIMEOUT]
-    extra = ", ".join(f"{t[s]} {s}" for s in (SURVIVED, "error", EQUIVALENT) if t[s])
+    extra = ", ".join(f"{t[s]} {s}" for s in (SURVIVED, "error", EQUIVALENT, NOT_RUN) if t.get(s))
     return f"{t['score']:g} % ({killed}/{t['counted']} killed" + (f"; {extra}" if extra else "") + ")"
 
 
@@ -92,6 +93,8 @@ def survivor_line(r: dict) -> str:
     where = f" at {r['where']}" if r.get("where") else ""
     if r["status"] == EQUIVALENT:
         return f"- `{r['id']}` ({r['variant']}{where}): equivalent: {r['equivalent']}"
+    if r["status"] == NOT_RUN:
+        return f"- `{r['id']}` ({r['variant']}{where}): not run here: {r.get('message', '')}"
     why = r.get("message") or f"passed all {r['tests_ran']} of the op's tests that read the module"
     return (f"- `{r['id']}` ({r['variant']}{where}): {r['status']}: {r['bug']}. {why}; owed: a cell "
             f"or test of the op that fails on it, or an `equivalent:` reason in its cell file")

@@ -32,6 +32,7 @@ STARTUP_S = 30.0     # a worker's allowance beside its tests: interpreter, torch
 TIME_FACTOR = 3.0    # a worker may take this many times its tests' measured cost before it is killed
 
 KILLED, SURVIVED, TIMEOUT, ERROR, EQUIVALENT = "killed", "survived", "timeout", "error", "equivalent"
+NOT_RUN = "not run"   # no cell or test of the op that reads the module runs on this machine
 
 _LIVE: set[subprocess.Popen] = set()   # the workers running now, ended all at once on an interrupt
 _LIVE_GUARD = threading.Lock()
@@ -40,7 +41,7 @@ _LIVE_GUARD = threading.Lock()
 @dataclass
 class Result:
     job: Job
-    status: str              # killed | survived | timeout | error | equivalent (not run)
+    status: str              # killed | survived | timeout | error | equivalent | not run
     killed_by: str | None = None
     seconds: float = 0.0
     ran: int = 0             # tests that ran
@@ -96,7 +97,8 @@ def _kill(proc: subprocess.Popen) -> None:
 
 def _one(job: Job, n: int, work: Path, root: Path, threads: int, limit: float | None) -> Result:
     if not job.tests:
-        return Result(job, SURVIVED, message="no cell or test of the op reads the edited module")
+        return Result(job, NOT_RUN, message="no cell or test of the op that reads the edited module "
+                                            "runs on this machine's archs")
     path = work / f"m{n}" / "mutant.py"
     path.parent.mkdir()
     path.write_text(job.source)
