@@ -1,4 +1,4 @@
-"""``certify mutants [--op OP] [--mutant ID] [--jobs N] [--generic N] [--equivalent] [--list]``."""
+"""``certify mutants [--op OP] [--mutant ID] [--jobs N] [--cap S] [--generic N] [--equivalent] [--list]``."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ from certify.catalog.load import load_catalog
 from certify.catalog.mutants import mutants_of
 from certify.files.paths import project_paths
 from certify.harness.archs import present_archs
-from certify.mutants.plan import EditError, data_jobs
+from certify.mutants.collect import current_items
+from certify.mutants.plan import CAP_S, EditError, data_jobs
 from certify.mutants.report import op_report, score_text, survivor_line, write_op_report
 from certify.mutants.runner import KILLED, TIMEOUT, run_jobs
 
@@ -25,6 +26,9 @@ def add_parser(sub) -> None:
                    "writes no report: a partial run is no score)")
     m.add_argument("--jobs", type=int, default=2, metavar="N",
                    help="worker processes at once, each with its share of the cores (default 2)")
+    m.add_argument("--cap", type=float, default=CAP_S, metavar="S",
+                   help=f"run a mutant's tests, cheapest first, up to S measured seconds in all "
+                        f"(default {CAP_S:g}; 0: every test); the tests left out are named")
     m.add_argument("--generic", type=int, default=0, metavar="N",
                    help="also run N operator mutations of each variant's code made by cosmic-ray "
                         "(pip install -e '.[mutants]'), spread over the variants; scored apart")
@@ -58,21 +62,26 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     for name in names:
         op = catalog.ops[name]
         try:
-            jobs = data_jobs(paths, op, items, durations, only=args.mutant)
+            op_items = current_items(paths, name, items)
+            cap = args.cap or None
+            jobs = data_jobs(paths, op, op_items, durations, only=args.mutant, cap=cap)
             note = ""
             if args.generic:
                 from certify.mutants.generic import generic_jobs  # noqa: PLC0415
 
-                more, note = generic_jobs(paths, op, items, durations, args.generic)
-                jobs += more
-        except EditError as e:
+                more, note = generic_jobs(paths, op, op_items, durations, args.generic,
+                                          cap=cap)
+                written = {(j.module, j.source) for j in jobs}
+                jobs += [j for j in more if (j.module, j.source) not in written]
+        except (EditError, RuntimeError) as e:
             print(f"{name}: {e}", file=sys.stderr)
             rc = 1
             continue
         if args.list:
             for j in jobs:
                 print(f"{name} {j.id} [{j.label}] {j.module}: {len(j.tests)} test(s), "
-                      f"{j.cost:.1f} s measured; first {j.tests[:1]}")
+                      f"{j.cost:.1f} s measured, {len(j.over_cap)} over the cap; "
+                      f"first {j.tests[:1]}")
             continue
         if not jobs:
             print(f"{name}: no mutants")
@@ -85,7 +94,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                                                     + f" ({r.seconds:.1f} s)", flush=True),
                            limit=args.time_limit)
         seconds = time.perf_counter() - t0
-        report = op_report(name, results, seconds, args.jobs, archs, args.generic, note)
+        report = op_report(name, results, seconds, args.jobs, archs, args.generic, note, cap)
         print(f"{name}: {score_text(report['score'])} in {seconds:.1f} s")
         for r in report["mutants"] + report.get("generic", {}).get("mutants", []):
             if r["status"] not in (KILLED, TIMEOUT, "equivalent", "not run"):

@@ -9,7 +9,8 @@ and runs one test command for the whole session; here only its mutation operator
 (``cosmic_ray.mutating.mutate_code``, on the source text in memory), and each mutant runs as a job
 like the cell file's (``certify.mutants.runner``): on a copy, against the op's own tests that read the
 module, cheapest first. Of the positions found, ``count`` are taken, spread evenly over the variants
-and along each module, the same ones on every run.
+and along each module, the same ones on every run. An operator mutation that makes the same source as a
+cell-file mutant is that mutant (declared equivalent there, say, with its reason) and is not run twice.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 
+from certify.catalog.mutants import SPEC
 from certify.catalog.schema import OpFile
 from certify.files.paths import ProjectPaths
 from certify.harness.archs import present_archs
@@ -94,7 +96,8 @@ def _spread(items: list, count: int) -> list:
 
 
 def generic_jobs(paths: ProjectPaths, op: OpFile, items: list[dict], durations: dict[str, float],
-                 count: int, archs: list[str] | None = None) -> tuple[list[Job], str]:
+                 count: int, archs: list[str] | None = None,
+                 cap: float | None = None) -> tuple[list[Job], str]:
     """Up to ``count`` operator mutations over the op's variants that run here, and a note."""
     if not available():
         return [], MISSING
@@ -114,7 +117,8 @@ def generic_jobs(paths: ProjectPaths, op: OpFile, items: list[dict], durations: 
         module, _, function = path.partition(":")
         source = module_file(module).read_text()
         found = positions(source, reached_lines(source, function))
-        per_variant[v.name] = [(v.name, module, function, source, *p) for p in found]
+        label = SPEC if v.impl == "spec" else v.name
+        per_variant.setdefault(label, []).extend((label, module, function, source, *p) for p in found)
     share = max(1, count // max(1, len(per_variant)))
     chosen = [c for found in per_variant.values() for c in _spread(found, share)][:count]
     jobs = []
@@ -122,11 +126,12 @@ def generic_jobs(paths: ProjectPaths, op: OpFile, items: list[dict], durations: 
         mutated = mutate_code(source, cosmic_ray.plugins.get_operator(name)(), occurrence)
         if mutated is None or mutated == source:
             continue
-        tests, cost = tests_for(paths, op, module, items, durations, archs)
+        tests, cost, over = tests_for(paths, op, module, items, durations, archs, cap,
+                                      None if variant == SPEC else variant)
         short = name.split("/", 1)[1]
         jobs.append(Job(op.op, f"{variant}.{function}.{line}.{short}.{occurrence}",
                         f"{short} at line {line}", variant, module, mutated, tests,
                         sum(cost.values()), kind="generic", where=f"{module}:{line}:{col} ({short})",
-                        costs=cost))
+                        costs=cost, over_cap=over))
     found_total = sum(len(v) for v in per_variant.values())
     return jobs, f"{len(jobs)} of {found_total} positions in the code the variants reach."

@@ -5,7 +5,10 @@ module is in the target's content-hash closure: the spec's, the variant's, the i
 oracle's modules and the project modules they import), on the archs this machine has, and against
 every test whose ``certify_guard`` or ``certify_property`` marker names the op (from the lists' item
 universe, ``test_lists/items.json``). The tests run cheapest first by their measured durations
-(``test_lists/durations.json``), so a mutant is killed by the cheapest test that can see it.
+(``test_lists/durations.json``), so a mutant is killed by the cheapest test that can see it. A mutant
+runs its tests up to a cap on their measured seconds (``CAP_S``, ``--cap``): the costliest cells (the
+large shapes through Triton's interpreter) stay out of a run that must fit CI's minutes, and the tests
+left out are named in the report, so a survivor says what it was not run against.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from certify.harness.requirements import why_skipped
 from certify.receipts.codehash import ORACLE_MODULES, module_closure
 
 UNMEASURED_S = 2.0   # the cost assumed for a test with no measured duration
+CAP_S = 30.0         # the measured seconds of tests one mutant runs at most (the cheapest first)
 
 
 class EditError(ValueError):
@@ -46,6 +50,7 @@ class Job:
     equivalent: str | None = None
     where: str = ""       # for a generic mutant: function, line and operator
     costs: dict[str, float] = field(default_factory=dict)
+    over_cap: list[str] = field(default_factory=list)   # tests left out by the cap
 
 
 def module_file(module: str) -> Path:
@@ -90,32 +95,52 @@ def op_tests(op: str, items: list[dict]) -> list[str]:
 
 
 def tests_for(paths: ProjectPaths, op: OpFile, module: str, items: list[dict],
-              durations: dict[str, float], archs: list[str] | None = None) -> tuple[list[str], dict]:
-    """The item ids a mutant of ``module`` runs, cheapest first, and their costs."""
+              durations: dict[str, float], archs: list[str] | None = None,
+              cap: float | None = None, variant: str | None = None
+              ) -> tuple[list[str], dict, list[str]]:
+    """The item ids a mutant of ``module`` runs, cheapest first, their costs, and the ids left out
+    because the cumulative measured cost passed ``cap`` seconds. The first test always runs, and so
+    does the cheapest cell of ``variant`` (the variant the mutant edits), whatever the cap."""
     have = set(archs or present_archs())
-    ids = [cell_item_id(paths, t) for t in targets(op)
+    run = [t for t in targets(op)
            if t.arch in have and not why_skipped(t.variant) and module in target_modules(t)]
-    ids += op_tests(op.op, items)
+    ids = [cell_item_id(paths, t) for t in run]
+    own = [cell_item_id(paths, t) for t in run if t.variant.name == variant]
+    ids += [i for i in op_tests(op.op, items) if i not in ids]
     cost = {i: durations.get(i, UNMEASURED_S) for i in ids}
     order = {i: n for n, i in enumerate(ids)}
-    return sorted(ids, key=lambda i: (cost[i], order[i])), cost
+    ranked = sorted(ids, key=lambda i: (cost[i], order[i]))
+    if cap is None:
+        return ranked, cost, []
+    kept, total = [], 0.0
+    for i in ranked:
+        if kept and total + cost[i] > cap:
+            break
+        kept.append(i)
+        total += cost[i]
+    cheapest_own = min(own, key=lambda i: (cost[i], order[i]), default=None)
+    if cheapest_own is not None and cheapest_own not in kept:
+        kept.append(cheapest_own)
+    return kept, {i: cost[i] for i in kept}, [i for i in ranked if i not in kept]
 
 
 def data_jobs(paths: ProjectPaths, op: OpFile, items: list[dict], durations: dict[str, float],
-              archs: list[str] | None = None, only: list[str] | None = None) -> list[Job]:
+              archs: list[str] | None = None, only: list[str] | None = None,
+              cap: float | None = CAP_S) -> list[Job]:
     """The op's cell-file mutants as jobs (EditError on an edit that does not apply)."""
     jobs = []
     for m in mutants_of(op):
         if only and m.id not in only:
             continue
-        jobs.append(data_job(paths, op, m, items, durations, archs))
+        jobs.append(data_job(paths, op, m, items, durations, archs, cap))
     return jobs
 
 
 def data_job(paths: ProjectPaths, op: OpFile, m: Mutant, items: list[dict],
-             durations: dict[str, float], archs: list[str] | None = None) -> Job:
+             durations: dict[str, float], archs: list[str] | None = None,
+             cap: float | None = CAP_S) -> Job:
     module = op.mutant_module(m)
     source = apply_edit(module_file(module).read_text(), m.find, m.replace, f"{op.op}/{m.id}")
-    tests, cost = tests_for(paths, op, module, items, durations, archs)
+    tests, cost, over = tests_for(paths, op, module, items, durations, archs, cap, m.variant)
     return Job(op.op, m.id, m.bug, m.label, module, source, tests, sum(cost.values()),
-               equivalent=m.equivalent, costs=cost)
+               equivalent=m.equivalent, costs=cost, over_cap=over)
