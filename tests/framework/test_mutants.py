@@ -265,3 +265,50 @@ def test_operator_mutations_come_from_cosmic_ray_and_run_like_the_cell_files(tmp
         assert m["status"] in ("killed", "survived"), m
     assert sum(m["status"] == "killed" for m in generic) >= 1
     assert report["score"]["counted"] == 3   # the cell file's mutants are scored apart
+
+
+RENDEZVOUS = '''\
+import os
+import time
+
+import pytest
+
+
+@pytest.mark.certify_guard("shift")
+def test_two_workers_meet():
+    """Passes only when a second worker reaches this test while the first is in it."""
+    folder = os.environ["MUTANTS_RENDEZVOUS"]
+    open(os.path.join(folder, str(os.getpid())), "w").close()
+    deadline = time.monotonic() + 120
+    while len(os.listdir(folder)) < 2:
+        assert time.monotonic() < deadline, "no second worker arrived"
+        time.sleep(0.05)
+'''
+
+
+def test_workers_run_at_once_and_meet_a_test_the_item_universe_lacks(tmp_path, monkeypatch):
+    """Two mutants whose tests can pass only together: each worker waits in a guard test until the
+    other is in it too. The guard is in no item universe (lists/items.json): its marker is found in
+    the test file's text."""
+    project = make_project(tmp_path / "p")
+    (project / "tests" / "test_rendezvous.py").write_text(RENDEZVOUS)
+    meet = tmp_path / "meet"
+    meet.mkdir()
+    monkeypatch.setenv("MUTANTS_RENDEZVOUS", str(meet))
+    res = certify_mutants(project, "--op", "shift", "--mutant", "impl_shifts_zero", "--mutant",
+                          "impl_commuted", "--equivalent", "--jobs", "2", "--time-limit", "200")
+    assert "impl_shifts_zero: survived" in res.stdout, res.stdout + res.stderr
+    assert "impl_commuted: survived" in res.stdout, res.stdout + res.stderr
+    assert len(list(meet.iterdir())) == 2   # two worker processes, in the test at the same time
+
+
+def test_the_cap_leaves_out_the_costliest_tests_but_never_the_variants_own_cheapest_cell(tmp_path):
+    project = make_project(tmp_path / "p")
+    (project / "lists" / "durations.json").write_text(json.dumps({"format": "durations/1", "durations": {
+        "tests/test_planted.py::test_shift_guard": 0.1, "cells/shift.yaml::torch[rows_4-cpu]": 5.0}}))
+    res = certify_mutants(project, "--op", "shift", "--list", "--cap", "1")
+    lines = {line.split()[1]: line for line in res.stdout.splitlines() if line.startswith("shift ")}
+    assert "1 test(s), 0.1 s measured, 1 over the cap" in lines["spec_shifts_zero"], res.stdout
+    assert "2 test(s), 5.1 s measured, 0 over the cap" in lines["impl_adds_two"], res.stdout
+    res = certify_mutants(project, "--op", "shift", "--list", "--cap", "0")
+    assert "2 test(s), 5.1 s measured, 0 over the cap" in res.stdout, res.stdout
