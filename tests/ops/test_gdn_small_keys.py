@@ -41,3 +41,18 @@ def test_a_verify_with_keys_at_the_scale_of_eps_follows_the_spec(module):
     assert s_err.item() < 1e-5, f"states: {s_err.item():.3g} relative"
     o_err = (out.double() - ref["out"]).abs() / ref["out"].abs().amax(dim=-1, keepdim=True)
     assert o_err.max().item() <= 2 ** -6, f"out: {o_err.max().item():.3g} of the row maximum"
+
+
+@pytest.mark.certify_property("gdn_decode")
+@pytest.mark.parametrize("module", [torch_ops, triton_fused, triton_split],
+                         ids=["torch", "triton_fused", "triton_split"])
+def test_a_decode_with_keys_at_the_scale_of_eps_follows_the_spec(module):
+    x = {n: (v[:, 0].contiguous() if n in ("q", "k", "v", "a", "b", "z") else v)
+         for n, v in _inputs().items()}
+    ref = gdn.gdn_decode(**{n: (v.double() if v.is_floating_point() else v) for n, v in x.items()})
+    out = torch.empty(B, HV, V, dtype=torch.bfloat16)
+    module.gdn_decode(**x, out=out)   # the pool's rows at the slots are updated in place
+    s_err = (x["state_pool"].double() - ref["state_pool"]).abs().max() / ref["state_pool"].abs().max()
+    assert s_err.item() < 1e-5, f"state: {s_err.item():.3g} relative"
+    o_err = (out.double() - ref["out"]).abs() / ref["out"].abs().amax(dim=-1, keepdim=True)
+    assert o_err.max().item() <= 2 ** -6, f"out: {o_err.max().item():.3g} of the row maximum"
