@@ -13,7 +13,7 @@ from certify.harness.archs import present_archs
 from certify.mutants.collect import current_items
 from certify.mutants.plan import CAP_S, EditError, data_jobs
 from certify.mutants.report import op_report, score_text, survivor_line, write_op_report
-from certify.mutants.runner import KILLED, TIMEOUT, run_jobs
+from certify.mutants.runner import CAUGHT, run_jobs
 
 
 def add_parser(sub) -> None:
@@ -97,7 +97,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         report = op_report(name, results, seconds, args.jobs, archs, args.generic, note, cap)
         print(f"{name}: {score_text(report['score'])} in {seconds:.1f} s")
         for r in report["mutants"] + report.get("generic", {}).get("mutants", []):
-            if r["status"] not in (KILLED, TIMEOUT, "equivalent", "not run"):
+            if r["status"] not in (*CAUGHT, "equivalent", "not run"):
                 print("  " + survivor_line(r))
         if args.mutant:
             print("  (some mutants only: no report written)")
@@ -107,6 +107,6 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         if args.equivalent and any(r.job.equivalent and r.status != "survived" for r in results):
             print("  a mutant declared equivalent did not survive: its declaration is wrong")
             rc = 1
-        if report["score"][KILLED] + report["score"][TIMEOUT] < report["score"]["counted"]:
+        if sum(report["score"].get(s, 0) for s in CAUGHT) < report["score"]["counted"]:
             rc = 1
     return rc

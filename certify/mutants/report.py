@@ -4,11 +4,12 @@ notes and the coverage report show from them.
 
 An op's score is the share of its counted plausible bugs (the cell file's mutants) that its tests
 kill: a mutant declared equivalent is not counted, nor one that no test of this machine's archs
-reads (a variant of a GPU arch on a CPU machine: ``not run``); a timeout counts as killed (the tests caught a
-hang); a survivor, or an error (a worker that gave no result, a kill by a test that fails on the
-unmutated code too), counts as not killed. The same per variant (a mutant counts for the variant it
-edits, or for ``spec``). Operator mutations (``--generic``) are scored beside the cell file's, and
-per variant both together (``by_variant_all``): a variant with a handful of written mutants gets its
+reads (a variant of a GPU arch on a CPU machine: ``not run``); a timeout counts as killed (the tests
+caught a hang), and so does a worker killed by a signal inside the tests (a crash the suite shows);
+a survivor, or an error (a worker that gave no result, a kill by a test that fails on the unmutated
+code too), counts as not killed. The same per variant (a mutant counts for the variant it edits, or
+for ``spec``). Operator mutations (``--generic``) are scored beside the cell file's, and per variant
+both together (``by_variant_all``): a variant with a handful of written mutants gets its
 score over the operator mutations of its code too.
 """
 
@@ -20,7 +21,8 @@ from pathlib import Path
 
 from certify.files.atomic import atomic_write_text, locked
 from certify.files.utf8 import read_utf8
-from certify.mutants.runner import EQUIVALENT, KILLED, NOT_RUN, SURVIVED, TIMEOUT, Result
+from certify.mutants.runner import (CAUGHT, CRASHED, EQUIVALENT, KILLED, NOT_RUN, SURVIVED, TIMEOUT,
+                                    Result)
 
 FORMAT = "mutants/1"
 DIR = "mutants"
@@ -28,9 +30,9 @@ DIR = "mutants"
 
 def _tally(results: list[dict]) -> dict:
     counted = [r for r in results if r["status"] not in (EQUIVALENT, NOT_RUN)]
-    killed = sum(r["status"] in (KILLED, TIMEOUT) for r in counted)
+    killed = sum(r["status"] in CAUGHT for r in counted)
     out = {s: sum(r["status"] == s for r in results)
-           for s in (KILLED, SURVIVED, TIMEOUT, "error", EQUIVALENT, NOT_RUN)}
+           for s in (KILLED, SURVIVED, TIMEOUT, CRASHED, "error", EQUIVALENT, NOT_RUN)}
     out["counted"] = len(counted)
     out["score"] = round(100.0 * killed / len(counted), 1) if counted else None
     return out
@@ -91,7 +93,7 @@ def load_mutants(reports: Path) -> dict[str, dict]:
 def score_text(t: dict) -> str:
     if not t["counted"]:
         return "none counted" + (f" ({t[EQUIVALENT]} equivalent)" if t[EQUIVALENT] else "")
-    killed = t[KILLED] + t[TIMEOUT]
+    killed = t[KILLED] + t[TIMEOUT] + t.get(CRASHED, 0)
     extra = ", ".join(f"{t[s]} {s}" for s in (SURVIVED, "error", EQUIVALENT, NOT_RUN) if t.get(s))
     return f"{t['score']:g} % ({killed}/{t['counted']} killed" + (f"; {extra}" if extra else "") + ")"
 
@@ -129,10 +131,10 @@ def op_mutants_markdown(op: str, report: dict | None, declared: int) -> list[str
         md += ["", "| counts for | score |", "|---|---|"]
         md += [f"| {v} | {score_text(t)} |" for v, t in report["by_variant"].items()]
     md.append("")
-    listed = [r for r in report["mutants"] if r["status"] not in (KILLED, TIMEOUT)]
+    listed = [r for r in report["mutants"] if r["status"] not in CAUGHT]
     if listed:
         md += ["Not killed:", "", *[survivor_line(r) for r in listed], ""]
-    killed = [r for r in report["mutants"] if r["status"] in (KILLED, TIMEOUT)]
+    killed = [r for r in report["mutants"] if r["status"] in CAUGHT]
     if killed:
         md += ["Killed:", ""]
         md += [f"- `{r['id']}` ({r['variant']}): {r['bug']}; by `{r['killed_by'] or 'a timeout'}`"
@@ -142,7 +144,7 @@ def op_mutants_markdown(op: str, report: dict | None, declared: int) -> list[str
     if g:
         md.append(f"Operator mutations of the variants' code (cosmic-ray, {g['asked']} asked): "
                   f"{score_text(g['score'])}." + (f" {g['note']}" if g.get("note") else ""))
-        gl = [r for r in g["mutants"] if r["status"] not in (KILLED, TIMEOUT)]
+        gl = [r for r in g["mutants"] if r["status"] not in CAUGHT]
         if gl:
             md += ["", *[survivor_line(r) for r in gl]]
         md.append("")
@@ -177,7 +179,7 @@ def summary_markdown(reports: dict[str, dict]) -> str:
         md.append(f"| {op} | {score_text(r['score'])} | {parts} | {r['seconds']:g} | {r['date']} |")
     rest = [(op, m) for op, r in sorted(reports.items())
             for m in r["mutants"] + r.get("generic", {}).get("mutants", [])
-            if m["status"] not in (KILLED, TIMEOUT)]
+            if m["status"] not in CAUGHT]
     if rest:
         md += ["", "## Not killed", ""]
         md += [f"- {op}: " + survivor_line(m)[2:] for op, m in rest]

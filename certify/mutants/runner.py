@@ -32,6 +32,8 @@ STARTUP_S = 30.0     # a worker's allowance beside its tests: interpreter, torch
 TIME_FACTOR = 3.0    # a worker may take this many times its tests' measured cost before it is killed
 
 KILLED, SURVIVED, TIMEOUT, ERROR, EQUIVALENT = "killed", "survived", "timeout", "error", "equivalent"
+CRASHED = "crashed"   # the worker died of a signal inside the op's tests (a mutant's wild write)
+CAUGHT = (KILLED, TIMEOUT, CRASHED)   # the statuses that count as killed
 NOT_RUN = "not run"   # no cell or test of the op that reads the module runs on this machine
 
 _LIVE: set[subprocess.Popen] = set()   # the workers running now, ended all at once on an interrupt
@@ -41,7 +43,7 @@ _LIVE_GUARD = threading.Lock()
 @dataclass
 class Result:
     job: Job
-    status: str              # killed | survived | timeout | error | equivalent | not run
+    status: str              # killed | survived | timeout | crashed | error | equivalent | not run
     killed_by: str | None = None
     seconds: float = 0.0
     ran: int = 0             # tests that ran
@@ -112,6 +114,10 @@ def _one(job: Job, n: int, work: Path, root: Path, threads: int, limit: float | 
         return Result(job, TIMEOUT, seconds=seconds,
                       message=f"the tests did not finish in {timeout:.0f} s (the mutant hangs or "
                               "slows the op)")
+    if "crash" in res and res["exit"] is not None and res["exit"] < 0:
+        return Result(job, CRASHED, seconds=seconds,
+                      message=f"the worker died of signal {-res['exit']} in the op's tests (the mutant "
+                              f"crashes the process): {res['crash'][-600:]}")
     if "crash" in res:
         return Result(job, ERROR, seconds=seconds,
                       message=f"the worker ended without a result (exit {res['exit']}): {res['crash']}")

@@ -94,6 +94,11 @@ CELLS = textwrap.dedent("""\
         variant: torch
         find: "def shift_impl(x, out):"
         replace: "def shift_impl(x, out):\\n    while True:\\n        pass"
+      - id: impl_crashes
+        bug: the variant reads through a null pointer
+        variant: torch
+        find: "def shift_impl(x, out):"
+        replace: "def shift_impl(x, out):\\n    import ctypes\\n    ctypes.string_at(0)"
     """)
 
 
@@ -200,6 +205,13 @@ def test_a_hanging_mutant_is_killed_by_its_time_limit(tmp_path):
     res = certify_mutants(project, "--op", "shift", "--mutant", "impl_hangs", "--jobs", "1",
                           "--time-limit", "20")
     assert "impl_hangs: timeout" in res.stdout, res.stdout + res.stderr
+
+
+def test_a_mutant_that_crashes_the_worker_counts_as_caught(tmp_path):
+    project = make_project(tmp_path / "p")
+    res = certify_mutants(project, "--op", "shift", "--mutant", "impl_crashes", "--jobs", "1")
+    assert "impl_crashes: crashed" in res.stdout, res.stdout + res.stderr
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_an_interrupted_run_leaves_the_tree_and_no_work_folder(tmp_path):
