@@ -22,6 +22,8 @@ from certify.catalog.mutants import Mutant, mutants_of
 from certify.catalog.plan import Target, targets
 from certify.catalog.schema import OpFile
 from certify.files.paths import ProjectPaths
+from certify.files.problem import FileProblem
+from certify.files.yamlfile import YamlProblem, field_name, load_mapping, locate
 from certify.harness.archs import present_archs
 from certify.harness.requirements import why_skipped
 from certify.receipts.codehash import ORACLE_MODULES, module_closure
@@ -127,13 +129,27 @@ def tests_for(paths: ProjectPaths, op: OpFile, module: str, items: list[dict],
 def data_jobs(paths: ProjectPaths, op: OpFile, items: list[dict], durations: dict[str, float],
               archs: list[str] | None = None, only: list[str] | None = None,
               cap: float | None = CAP_S) -> list[Job]:
-    """The op's cell-file mutants as jobs (EditError on an edit that does not apply)."""
+    """The op's cell-file mutants as jobs. An edit that does not apply (a stale mutant: its module
+    changed under it) is an EditError naming the cell file, the line and the field of its ``find``."""
     jobs = []
-    for m in mutants_of(op):
+    for n, m in enumerate(mutants_of(op)):
         if only and m.id not in only:
             continue
-        jobs.append(data_job(paths, op, m, items, durations, archs, cap))
+        try:
+            jobs.append(data_job(paths, op, m, items, durations, archs, cap))
+        except EditError as e:
+            raise EditError(str(_find_problem(paths, op.op, n, str(e)))) from None
     return jobs
+
+
+def _find_problem(paths: ProjectPaths, op: str, n: int, message: str) -> FileProblem:
+    file = paths.cells / f"{op}.yaml"
+    loc = ("mutants", n, "find")
+    try:
+        _, lines = load_mapping(file)
+    except (OSError, YamlProblem):
+        lines = {}
+    return FileProblem(file, locate(loc, lines), field_name(loc), message)
 
 
 def data_job(paths: ProjectPaths, op: OpFile, m: Mutant, items: list[dict],

@@ -324,3 +324,17 @@ def test_the_cap_leaves_out_the_costliest_tests_but_never_the_variants_own_cheap
     assert "2 test(s), 5.1 s measured, 0 over the cap" in lines["impl_adds_two"], res.stdout
     res = certify_mutants(project, "--op", "shift", "--list", "--cap", "0")
     assert "2 test(s), 5.1 s measured, 0 over the cap" in res.stdout, res.stdout
+
+
+def test_a_stale_mutant_is_an_error_naming_its_cell_file_line_and_field(tmp_path):
+    """The variant's code changed under a mutant: its find text no longer occurs."""
+    project = make_project(tmp_path / "p")
+    ops = project / "planted" / "ops.py"
+    ops.write_text(ops.read_text().replace("out.copy_(torch.where(x > 0, x + 1, x))",
+                                           "out.copy_(x + (x > 0))"))
+    res = certify_mutants(project, "--op", "shift", "--list")
+    assert res.returncode == 1, res.stdout + res.stderr
+    line = next(n for n, text in enumerate(CELLS.splitlines(), 1)
+                if text.strip().startswith("find: \"out.copy_(torch.where(x > 0, x + 1, x))\""))
+    assert f"shift.yaml:{line}: mutants[0].find: shift/impl_adds_two: the text to replace occurs 0 " \
+           "times" in res.stderr, res.stderr
