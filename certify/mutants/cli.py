@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import resource
 import sys
 import time
 
@@ -86,16 +87,18 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         if not jobs:
             print(f"{name}: no mutants")
             continue
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu()
         print(f"{name}: {len(jobs)} mutant(s), {args.jobs} worker(s) ...", flush=True)
         results = run_jobs(jobs, paths.root, args.jobs, args.equivalent,
                            progress=lambda r: print(f"  {r.job.id}: {r.status}"
                                                     + (f" by {r.killed_by}" if r.killed_by else "")
                                                     + f" ({r.seconds:.1f} s)", flush=True),
                            limit=args.time_limit)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
         report = op_report(name, results, seconds, args.jobs, archs, args.generic, note, cap)
-        print(f"{name}: {score_text(report['score'])} in {seconds:.1f} s")
+        report["cpu_s"] = round(cpu, 1)
+        print(f"{name}: {score_text(report['score'])} in {seconds:.1f} s ({cpu:.1f} CPU seconds "
+              "in the workers)")
         for r in report["mutants"] + report.get("generic", {}).get("mutants", []):
             if r["status"] not in (*CAUGHT, "equivalent", "not run"):
                 print("  " + survivor_line(r))
@@ -110,3 +113,10 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         if sum(report["score"].get(s, 0) for s in CAUGHT) < report["score"]["counted"]:
             rc = 1
     return rc
+
+
+def _children_cpu() -> float:
+    """User + system seconds of the finished worker processes: the run's cost on cores of its own,
+    which its wall time shows only on a machine nothing else loads."""
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
