@@ -104,7 +104,9 @@ def survivor_line(r: dict) -> str:
         return f"- `{r['id']}` ({r['variant']}{where}): equivalent: {r['equivalent']}"
     if r["status"] == NOT_RUN:
         return f"- `{r['id']}` ({r['variant']}{where}): not run here: {r.get('message', '')}"
-    why = r.get("message") or f"passed all {r['tests_ran']} of the op's tests that read the module"
+    message = " ".join((r.get("message") or "").split())   # one Markdown line, whatever the output
+    why = (message[:240] + (" ..." if len(message) > 240 else "")) if message else \
+        f"passed all {r['tests_ran']} of the op's tests that read the module"
     if r.get("over_cap"):
         why += f" within the cap ({len(r['over_cap'])} costlier not run: {', '.join(r['over_cap'])})"
     return (f"- `{r['id']}` ({r['variant']}{where}): {r['status']}: {r['bug']}. {why}; owed: a cell "
