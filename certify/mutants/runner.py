@@ -30,6 +30,7 @@ from certify.mutants.plan import Job, module_file
 
 STARTUP_S = 30.0     # a worker's allowance beside its tests: interpreter, torch and pytest start-up
 TIME_FACTOR = 3.0    # a worker may take this many times its tests' measured cost before it is killed
+#                      (times the machine's load over its cores, when that is above 1)
 
 KILLED, SURVIVED, TIMEOUT, ERROR, EQUIVALENT = "killed", "survived", "timeout", "error", "equivalent"
 CRASHED = "crashed"   # the worker died of a signal inside the op's tests (a mutant's wild write)
@@ -97,6 +98,12 @@ def _kill(proc: subprocess.Popen) -> None:
     proc.wait()
 
 
+def _load_slack() -> float:
+    """How many times slower than measured the tests run now: the load average over the cores (at
+    least 1), so a loaded machine does not turn a survivor's slow run into a timeout, a kill."""
+    return max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+
+
 def _one(job: Job, n: int, work: Path, root: Path, threads: int, limit: float | None) -> Result:
     if not job.tests:
         return Result(job, NOT_RUN, message="no cell or test of the op that reads the edited module "
@@ -108,7 +115,7 @@ def _one(job: Job, n: int, work: Path, root: Path, threads: int, limit: float | 
     package_dir = str(original.parent) if original.name == "__init__.py" else None
     spec = {"module": job.module, "path": str(path), "package_dir": package_dir,
             "tests": job.tests, "root": str(root), "stop": True}
-    timeout = limit or STARTUP_S + TIME_FACTOR * job.cost
+    timeout = limit or (STARTUP_S + TIME_FACTOR * job.cost) * _load_slack()
     res, seconds, timed_out = _run_worker(spec, work, f"m{n}", root, timeout, threads)
     if timed_out:
         return Result(job, TIMEOUT, seconds=seconds,
