@@ -37,8 +37,8 @@ def add_parser(sub) -> None:
                    help="also run the mutants declared equivalent (each must survive)")
     m.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="kill a mutant's worker after S seconds, a timeout that counts as killed "
-                        "(default: 30 s plus three times its tests' measured seconds, times the load average "
-                        "over the cores where that is above 1)")
+                        "(default: 30 s plus three times its tests' measured seconds, times the "
+                        "load average over the cores where that is above 1)")
     m.add_argument("--list", action="store_true", help="list the mutants and their tests, run none")
     m.set_defaults(fn=cmd_mutants)
 
