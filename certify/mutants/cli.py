@@ -74,7 +74,11 @@ def cmd_mutants(args: argparse.Namespace) -> int:
                 more, note = generic_jobs(paths, op, op_items, durations, args.generic,
                                           cap=cap)
                 written = {(j.module, j.source) for j in jobs}
-                jobs += [j for j in more if (j.module, j.source) not in written]
+                fresh = [j for j in more if (j.module, j.source) not in written]
+                if len(fresh) < len(more):
+                    note += (f" {len(more) - len(fresh)} of them made a cell-file mutant's source "
+                             "and count there.")
+                jobs += fresh
         except (EditError, RuntimeError) as e:
             print(f"{name}: {e}", file=sys.stderr)
             rc = 1
