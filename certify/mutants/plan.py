@@ -29,7 +29,7 @@ from certify.harness.requirements import why_skipped
 from certify.receipts.codehash import ORACLE_MODULES, module_closure
 
 UNMEASURED_S = 2.0   # the cost assumed for a test with no measured duration
-CAP_S = 30.0         # the measured seconds of tests one mutant runs at most (the cheapest first)
+CAP_S = 60.0         # the measured seconds of tests one mutant runs at most (the cheapest first)
 
 
 class EditError(ValueError):
