@@ -5,7 +5,8 @@ them against the spec and writes receipts, verify re-runs receipts, trace record
 model's scenarios reach, lists plans the pre-merge / post-merge / on-demand test lists from cost
 budgets, gates runs the accuracy gates, diff says what a change did to the certification against a
 git revision, plan writes the work as units for a scheduler, merge folds receipts written elsewhere
-into the receipts, and report does what is outdated, then writes reports/."""
+into the receipts, mutants runs each op's plausible bugs against its own tests, and report does
+what is outdated, then writes reports/."""
 
 from __future__ import annotations
 
@@ -20,13 +21,13 @@ from certify.reach import load_reach, load_tracer, reach_text, run_trace
 from certify.reach.claims import catalog_findings, reach_findings
 from certify.catalog.plan import targets
 from certify.receipts.store import load_receipts, prune_receipts
-from certify.report import (SITE_DIR, project_guards, project_rows, report_extras,
+from certify.report import (SITE_DIR, project_guards, project_mutants, project_rows, report_extras,
                             terminal_report, write_reports)
 from certify.harness.runner import run_targets, select
 from certify.files.problem import FileProblem
 from certify.reach.scenarios import load_scenarios
-from certify.catalog.cell_extensions import ExtendedOpFile
-from certify.catalog.schema import TIERS, OpFile
+from certify.catalog.mutants import CellFile
+from certify.catalog.schema import TIERS
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -126,7 +127,8 @@ def _cmd_report(args: argparse.Namespace) -> int:
     print(terminal_report(catalog, rows, reach, matrix=args.matrix))
     if extras:
         print("\n" + "\n".join(extras))
-    written = write_reports(paths.reports, catalog, rows, extras, reach, project_guards(paths))
+    written = write_reports(paths.reports, catalog, rows, extras, reach, project_guards(paths),
+                            project_mutants(paths))
     shown = (paths.reports.relative_to(paths.root) if paths.reports.is_relative_to(paths.root)
              else paths.reports)
     site = paths.reports / SITE_DIR
@@ -206,7 +208,7 @@ def schema_text() -> str:
     beside the schema so that it stays out of the content hash."""
     from certify.harness.contract import SECTION, HarnessContract  # noqa: PLC0415
 
-    schema = ExtendedOpFile.model_json_schema()
+    schema = CellFile.model_json_schema()
     harness = HarnessContract.model_json_schema(ref_template="#/$defs/{model}")
     schema.setdefault("$defs", {}).update(harness.pop("$defs", {}))
     schema["$defs"]["HarnessContract"] = harness
@@ -376,8 +378,11 @@ def main(argv: list[str] | None = None) -> int:
     from certify.lists.cli import add_parser as add_lists_parser  # noqa: PLC0415
     from certify.lists.cli import add_plan_parser  # noqa: PLC0415
 
+    from certify.mutants.cli import add_parser as add_mutants_parser  # noqa: PLC0415
+
     add_lists_parser(sub)
     add_plan_parser(sub)
+    add_mutants_parser(sub)
     add_gates_parser(sub)
     args = p.parse_args(argv)
     if not getattr(args, "fn", None):

@@ -14,7 +14,8 @@ from pydantic import ValidationError
 from certify.files.problem import FileProblem
 from certify.catalog.plan import targets, variants_of_cell
 from certify.catalog.rules import evaluate, rule_names
-from certify.catalog.cell_extensions import ExtendedOpFile, extension_problem
+from certify.catalog.cell_extensions import extension_problem
+from certify.catalog.mutants import CellFile, mutants_of
 from certify.catalog.schema import OpFile
 from certify.files.yamlfile import YamlProblem, field_name, first_problem, load_mapping, locate
 from certify.harness import contract as harness_contract
@@ -118,6 +119,16 @@ def _cross_check(op: OpFile) -> tuple[tuple, str] | None:
         against = cell.oracle.against
         if against.startswith("variant:") and against.split(":", 1)[1] not in variants:
             return ("cells", i, "oracle", "against"), f"unknown variant in {against!r}"
+    mutant_ids: set[str] = set()
+    for i, m in enumerate(mutants_of(op)):
+        if m.id in mutant_ids:
+            return ("mutants", i, "id"), f"mutant id {m.id!r} repeats"
+        mutant_ids.add(m.id)
+        if m.variant is not None and m.variant not in variants:
+            return (("mutants", i, "variant"),
+                    f"unknown variant {m.variant!r} (known: {sorted(variants)}; leave it out for the spec)")
+        if m.find == m.replace:
+            return ("mutants", i, "replace"), "the edit replaces its text with the same text"
     return None
 
 
@@ -131,7 +142,7 @@ def load_op_file(path: Path) -> OpFile:
     # The harness section is read beside the schema, so that it never enters the content hash.
     section = data.pop(harness_contract.SECTION, None)
     try:
-        op = ExtendedOpFile.model_validate(data)
+        op = CellFile.model_validate(data)
     except ValidationError as e:
         raise FileProblem(path, *first_problem(e, lines)) from None
     harness_contract.register(op, harness_contract.parse(path, section, lines))

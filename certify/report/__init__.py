@@ -8,8 +8,8 @@ SITE_DIR = "html"   # the HTML site's folder under the reports folder
 from certify.report.markdown import (coverage_markdown, op_markdown, render_all, report_extras,
                                      terminal_report, write_reports)
 from certify.report.rows import (Row, _measured, build_rows, counts, list_tier_text, op_summary,
-                                 project_guards, project_rows)
+                                 project_guards, project_mutants, project_rows)
 
 __all__ = ["SITE_DIR", "Row", "_measured", "build_rows", "counts", "coverage_markdown", "list_tier_text",
-           "op_markdown", "op_summary", "project_guards", "project_rows", "render_all",
+           "op_markdown", "op_summary", "project_guards", "project_mutants", "project_rows", "render_all",
            "report_extras", "terminal_report", "write_reports"]

@@ -316,10 +316,11 @@ def write_project_site(paths, catalog: Catalog, rows: list[Row], reach: ReachFil
     ``take_screenshot`` its index.png (``browser``: the Chromium executable; default: on PATH)."""
     import shutil  # noqa: PLC0415
 
-    from certify.report import project_guards, render_all  # noqa: PLC0415
+    from certify.report import project_guards, project_mutants, render_all  # noqa: PLC0415
 
     notes = {rel[len("ops/"):-len(".md")]: text for rel, text in
-             render_all(catalog, rows, extras, reach, project_guards(paths)).items()
+             render_all(catalog, rows, extras, reach, project_guards(paths),
+                        project_mutants(paths)).items()
              if rel.startswith("ops/")}
     written = write_site(site, render_site(project_site(paths, catalog, rows, reach, notes)))
     if take_screenshot:

@@ -25,7 +25,9 @@ from certify.report.reach_sections import (cost_markdown, gaps_markdown, op_reac
                                            terminal_gaps)
 from certify.report.rows import (ARCH_ORDER, EXACT_METRIC, MEASURED, STATUSES, Row, _archs,
                                  _oracle_text, counts, measured_per_output, op_summary)
+from certify.catalog.mutants import mutants_of
 from certify.catalog.schema import EXACT, OpFile
+from certify.mutants.report import coverage_mutants_markdown, op_mutants_markdown
 
 
 def _status_cell(row: Row, arch: str) -> str:
@@ -76,7 +78,7 @@ def terminal_report(catalog: Catalog, rows: list[Row], reach: ReachFile | None =
 
 
 def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
-                      reach: ReachFile | None = None) -> str:
+                      reach: ReachFile | None = None, mutants: dict[str, dict] | None = None) -> str:
     archs = _archs(catalog)
     findings = findings_of(catalog, reach)
     md = ["# Certification coverage", "",
@@ -111,6 +113,9 @@ def coverage_markdown(catalog: Catalog, rows: list[Row], extras: list[str],
                "What the cell files say is outside their cells (details in each op's note):", ""]
         md += [f"- [{name}](ops/{name}.md): {item.what}" for name, item in declared]
     md += ["", *cost_markdown(findings)]
+    if mutants is not None:
+        md += coverage_mutants_markdown(mutants, {n: len(mutants_of(op))
+                                                  for n, op in catalog.ops.items()})
     if extras:
         md += [*extras, ""]
     md += ["## Matrix", ""]
@@ -140,9 +145,10 @@ def _guards_markdown(op: OpFile, guards: dict[str, list[tuple[str, str, str]]] |
 
 def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
                 findings: list[Finding] | None = None,
-                guards: dict[str, list[tuple[str, str, str]]] | None = None) -> str:
+                guards: dict[str, list[tuple[str, str, str]]] | None = None,
+                mutants: dict[str, dict] | None = None) -> str:
     """The op's note: spec, variants, cells, reach, bands, status per arch, the tests that guard it,
-    what stays certified and what is not."""
+    its mutants' score (``certify mutants``), what stays certified and what is not."""
     archs = [a for a in ARCH_ORDER if any(a in v.archs for v in op.variants)]
     md = [f"# {op.op}", "", op.summary, "",
           f"- spec: `{op.spec}`", f"- inputs: `{op.inputs}`", ""]
@@ -179,6 +185,8 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
         headers=["variant", "cell", *archs], tablefmt="github"), ""]
     md += harness_markdown(op, rows)
     md += _guards_markdown(op, guards)
+    if mutants is not None:
+        md += op_mutants_markdown(op.op, mutants.get(op.op), len(mutants_of(op)))
     certified, not_certified = [], []
     for r in rows:
         for arch, s in r.status.items():
@@ -255,23 +263,25 @@ def report_extras(spec: str | None) -> list[str]:
 
 def render_all(catalog: Catalog, rows: list[Row], extras: list[str],
                reach: ReachFile | None = None,
-               guards: dict[str, list[tuple[str, str, str]]] | None = None) -> dict[str, str]:
+               guards: dict[str, list[tuple[str, str, str]]] | None = None,
+               mutants: dict[str, dict] | None = None) -> dict[str, str]:
     """Relative path -> content of every generated report (for staleness checks)."""
     findings = findings_of(catalog, reach)
-    out = {"coverage.md": coverage_markdown(catalog, rows, extras, reach) + "\n"}
+    out = {"coverage.md": coverage_markdown(catalog, rows, extras, reach, mutants) + "\n"}
     for name, op in sorted(catalog.ops.items()):
         out[f"ops/{name}.md"] = op_markdown(op, [r for r in rows if r.op == name], reach, findings,
-                                            guards)
+                                            guards, mutants)
     return out
 
 
 def write_reports(reports_dir: Path, catalog: Catalog, rows: list[Row], extras: list[str],
                   reach: ReachFile | None = None,
-                  guards: dict[str, list[tuple[str, str, str]]] | None = None) -> list[Path]:
+                  guards: dict[str, list[tuple[str, str, str]]] | None = None,
+                  mutants: dict[str, dict] | None = None) -> list[Path]:
     """Write every generated report and remove op notes of ops that no longer exist: each file
     atomically, the whole set under the reports directory's lock (``certify.files.atomic``)."""
     reports_dir = Path(reports_dir)
-    rendered = render_all(catalog, rows, extras, reach, guards)
+    rendered = render_all(catalog, rows, extras, reach, guards, mutants)
     with locked(reports_dir):
         for rel, text in rendered.items():
             atomic_write_text(reports_dir / rel, text)

@@ -207,3 +207,10 @@ def project_guards(paths) -> dict[str, list[tuple[str, str, str]]]:
             for op in rec.get(key, ()):
                 out.setdefault(op, []).append((rec["id"], kind, listed.get(rec["id"], rec["tier"])))
     return {op: sorted(v) for op, v in out.items()}
+
+
+def project_mutants(paths) -> dict[str, dict]:
+    """op -> its latest ``certify mutants`` report (``<reports>/mutants/<op>.json``)."""
+    from certify.mutants.report import load_mutants  # noqa: PLC0415
+
+    return load_mutants(paths.reports)

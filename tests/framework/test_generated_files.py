@@ -11,7 +11,7 @@ from certify.files.paths import project_paths
 from certify.catalog.plan import targets
 from certify.reach import load_reach
 from certify.receipts.store import UP_TO_DATE, freshness, load_receipts
-from certify.report import project_guards, project_rows, render_all, report_extras
+from certify.report import project_guards, project_mutants, project_rows, render_all, report_extras
 
 PATHS = project_paths()
 REGENERATE = ("run `certify trace`, `certify report` (and `certify schema`) and commit reports/ and "
@@ -44,7 +44,7 @@ def test_the_reports_are_current():
     cat = load_catalog(PATHS.cells)
     rows = project_rows(PATHS, cat)
     rendered = render_all(cat, rows, report_extras(PATHS.extras), load_reach(PATHS.reach),
-                          project_guards(PATHS))
+                          project_guards(PATHS), project_mutants(PATHS))
     stale = [rel for rel, text in rendered.items()
              if not (PATHS.reports / rel).is_file() or (PATHS.reports / rel).read_text() != text]
     extra = [p.name for p in (PATHS.reports / "ops").glob("*.md") if f"ops/{p.name}" not in rendered]

@@ -23,7 +23,8 @@ from certify.files.paths import project_paths
 from certify.catalog.plan import targets
 from certify.reach import load_reach
 from certify.receipts.store import Receipt, freshness, load_receipts
-from certify.report import SITE_DIR, Row, project_guards, project_rows, render_all, report_extras
+from certify.report import (SITE_DIR, Row, project_guards, project_mutants, project_rows, render_all,
+                            report_extras)
 
 PATHS = project_paths()
 SITE = PATHS.reports / SITE_DIR
@@ -37,7 +38,8 @@ def _site():
     rows = project_rows(PATHS, cat)
     reach = load_reach(PATHS.reach)
     notes = {rel[4:-3]: text for rel, text in
-             render_all(cat, rows, report_extras(PATHS.extras), reach, project_guards(PATHS)).items()
+             render_all(cat, rows, report_extras(PATHS.extras), reach, project_guards(PATHS),
+                        project_mutants(PATHS)).items()
              if rel.startswith("ops/")}
     return render_site(project_site(PATHS, cat, rows, reach, notes))
 
