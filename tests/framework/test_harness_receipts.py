@@ -27,7 +27,7 @@ def test_every_cpu_receipt_records_the_checks_of_todays_code():
     bad = [t.name for t, r in _cpu_targets()
            if r is None or r.harness.get("hash") != harness_hash(t.op)]
     assert not bad, (f"{len(bad)} receipt(s) without today's harness checks (re-make them: "
-                     "`certify run --arch cpu --outdated`):\n" + "\n".join(bad))
+                     "`certify run --arch ARCH --outdated`):\n" + "\n".join(bad))
 
 
 def test_every_batch_invariance_claim_has_a_passing_metamorphic_receipt_on_each_cpu_arch():
