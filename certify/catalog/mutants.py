@@ -53,6 +53,17 @@ class CellFile(ExtendedOpFile):
         "plausible bugs as exact edits of a variant or spec module, for `certify mutants`; prose to "
         "the receipts (not hashed)"), json_schema_extra=NOT_HASHED)
 
+    def model_copy(self, *, update=None, deep: bool = False) -> "CellFile":
+        """A copy that keeps the harness contract loaded with this file (``certify.harness.contract``
+        keys contracts by object): a cell with its own builder is certified through a copy of its op
+        (``certify.harness.extended.op_for_cell``), whose checks must split the op's rows and whose
+        receipts must carry the op's harness hash."""
+        from certify.harness.contract import contract_of, register  # noqa: PLC0415
+
+        copy = super().model_copy(update=update, deep=deep)
+        register(copy, contract_of(self))
+        return copy
+
     def mutant_module(self, m: Mutant) -> str:
         """The module a mutant edits."""
         if m.module:
