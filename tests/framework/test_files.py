@@ -207,16 +207,16 @@ def test_an_interrupted_run_keeps_the_receipts_of_the_targets_it_finished(tmp_pa
     assert len(chosen) > k
     calls: list[int] = []
 
-    def certify_cell(op, variant, cell, arch):
+    def certify_checked(op, variant, cell, arch):
         calls.append(1)
         books = load_receipts(tmp_path)
         written = sum(len(b) for b in books.values())
         assert written == len(calls) - 1, "a finished target's receipt is written before the next"
         if len(calls) == k:
             raise KeyboardInterrupt
-        return Outcome("passed", {"out.ulp": 0.0})
+        return Outcome("passed", {"out.ulp": 0.0}), {}
 
-    monkeypatch.setattr("certify.harness.runner.certify_cell", certify_cell)
+    monkeypatch.setattr("certify.harness.runner.certify_checked", certify_checked)
     with pytest.raises(KeyboardInterrupt):
         run_targets(chosen, tmp_path, show_progress=False)
     books = load_receipts(tmp_path)

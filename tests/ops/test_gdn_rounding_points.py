@@ -1,7 +1,7 @@
 """The GDN torch variants keep the spec's rounding points, not only its bands.
 
 A bf16 state pool is a rounding point of the spec: each row's state is stored in bf16 before the
-output product reads it (docs/spec.md, "Gated DeltaNet"). The cells' output bands (8 ulp at the
+output product reads it (docs/spec.md, "GDN layer"). The cells' output bands (8 ulp at the
 bf16 pool) are wide enough to hide a variant that reads the unrounded fp32 state, so this test
 compares the torch variant's bf16 output with the spec's own low-precision path element by element:
 the two share every rounding point and differ only in fp32 summation order, which moves a few

@@ -1,5 +1,5 @@
 """GDN rows whose q and k are of the order of sqrt(eps): where the l2norm's eps (inside the square
-root, docs/spec.md, "Gated DeltaNet") decides the result.
+root, docs/spec.md, "GDN layer") decides the result.
 
 The cells draw q and k of norm near sqrt(128), where eps = 1e-6 moves the normalised key by 1e-8
 relative; an eps added outside the square root passes them. Keys of norm 1e-3 put eps at half of the

@@ -1,6 +1,6 @@
 """A verify step over T rows is T one-row steps chained through a bf16 pool, bit for bit.
 
-The bf16 state pool is a rounding point after every row (docs/spec.md, "Gated DeltaNet"): the state
+The bf16 state pool is a rounding point after every row (docs/spec.md, "GDN layer"): the state
 row t+1 starts from is row t's state as stored. So a T-row verify must equal T one-row verifies, each
 starting from a pool that holds the previous one's recorded state. A path that keeps the state in
 fp32 between the rows of one launch (and rounds only what it records) fails this; the cells' bands

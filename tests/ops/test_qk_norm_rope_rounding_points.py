@@ -1,6 +1,6 @@
 """The Triton QK norm + RoPE keeps the spec's rounding points, not only its band.
 
-The spec rounds the rmsnorm to the activation dtype before the rotation (docs/spec.md, "RoPE"). The
+The spec rounds the rmsnorm to the activation dtype before the rotation (docs/spec.md, "QK norm + RoPE"). The
 cells' band (2 ulp of the row maximum) is wide enough to hide a spec that rotates the unrounded norm,
 and the spec's own bf16 path (spec_lowp) is compared with the float64 spec, which shares the change.
 The Triton kernel rounds where the spec says, so its output equals the spec's bf16 path element by

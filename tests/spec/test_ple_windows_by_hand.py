@@ -1,5 +1,5 @@
 """The n-gram windows and the history by hand: which ids a row's n-grams read, and what the history
-holds after a step (docs/spec.md, "Per-layer embeddings"). The cells compare variants with the spec,
+holds after a step (docs/spec.md, "PLE with hashed n-grams"). The cells compare variants with the spec,
 so a spec that reads its window in the wrong order, or keeps the wrong ids, passes them."""
 
 from __future__ import annotations
