@@ -53,19 +53,12 @@ def clone(x: Any) -> Any:
     return x.clone() if isinstance(x, torch.Tensor) else x
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    t = t.contiguous()
-    if t.dtype == torch.bool:
-        return t.view(torch.uint8)
-    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
-
-
 def first_difference(got: torch.Tensor, want: torch.Tensor) -> str | None:
     """Where two tensors' bytes first differ, as 'k of n element(s) differ, first at (i, j)', or
     None when they are the same bytes (shape and dtype included)."""
     if got.shape != want.shape or got.dtype != want.dtype:
         return f"got {tuple(got.shape)} {got.dtype}, expected {tuple(want.shape)} {want.dtype}"
-    diff = _bits(got.detach().cpu()) != _bits(want.detach().cpu())
+    diff = oracles.bit_pattern(got.detach().cpu()) != oracles.bit_pattern(want.detach().cpu())
     if not diff.any():
         return None
     first = tuple(int(i) for i in diff.nonzero()[0])
@@ -207,7 +200,7 @@ def unowned_rows(probe: Probe, spec_result: dict[str, Any] | None, why_not: str 
                                                  _tensors(probe.first[out_name]))):
             if orig.dim() == 0 or ref.shape != orig.shape:
                 continue
-            flat = lambda t: _bits(t.detach().cpu()).reshape(t.shape[0], -1)  # noqa: E731
+            flat = lambda t: oracles.bit_pattern(t.detach().cpu()).reshape(t.shape[0], -1)  # noqa: E731
             owned = (flat(ref) != flat(orig)).any(dim=1)
             changed = (flat(got) != flat(orig)).any(dim=1)
             bad = (changed & ~owned).nonzero()

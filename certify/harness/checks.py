@@ -34,22 +34,27 @@ def certify_checked(op: OpFile, variant_name: str, cell: Cell, arch: str
     """``certify_cell`` and the harness checks: (the outcome, a failed check folded in; the
     receipt's ``harness`` record)."""
     op = op_for_cell(op, cell)  # the probe sees the inputs the certification builds
-    if arch == "cpu-interpret":
-        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported
     try:
-        impl = variant_callable(op, variant_name)
-        case = build_case(op, cell, device_for(arch))
+        probe = probe_for(op, variant_name, cell, arch)
     except Exception:  # noqa: BLE001 - certify_cell reports the same error as its outcome
         outcome = certify_cell(op, variant_name, cell, arch)
         return outcome, record(op, {c: adversarial.not_run("the certification raised")
                                     for c in CHECKS}, 0.0)
-    probe = adversarial.Probe(impl, case)
     outcome = certify_cell(op, variant_name, cell, arch, impl_override=probe)
     t0 = time.perf_counter()
     verdicts = run_checks(op, variant_name, cell, probe, outcome)
     rec = record(op, verdicts, time.perf_counter() - t0)
     fold(outcome, op, variant_name, cell, arch, verdicts)
     return outcome, rec
+
+
+def probe_for(op: OpFile, variant_name: str, cell: Cell, arch: str) -> adversarial.Probe:
+    """The variant wrapped to observe its certifying call on the cell's inputs; raises where the
+    variant or the case cannot be built (``certify_cell`` then reports the error)."""
+    if arch == "cpu-interpret":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before any Triton kernel is imported
+    return adversarial.Probe(variant_callable(op, variant_name),
+                             build_case(op, cell, device_for(arch)))
 
 
 def run_checks(op: OpFile, variant_name: str, cell: Cell, probe: adversarial.Probe,

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from certify.harness import oracles
-from certify.harness.adversarial import (PASSED, Probe, _bits, _tensors, call, clone, failed,
+from certify.harness.adversarial import (PASSED, Probe, _tensors, call, clone, failed,
                                          not_run, same_bytes)
 from certify.harness.contract import HarnessContract
 from certify.harness.target import Case
@@ -154,7 +154,7 @@ def _subset_problem(probe: Probe, split: RowSplit, sub: torch.Tensor) -> str | N
 def _first_or_before(got: Any, first: Any, before: Any, name: str) -> str | None:
     """Every element of a shared in-place buffer holds the first call's bytes or its old ones."""
     for i, (g, f, b) in enumerate(zip(_tensors(got), _tensors(first), _tensors(before))):
-        gb, fb, bb = (_bits(t.detach().cpu()) for t in (g, f, b))
+        gb, fb, bb = (oracles.bit_pattern(t.detach().cpu()) for t in (g, f, b))
         bad = (gb != fb) & (gb != bb)
         if bad.any():
             at = tuple(int(k) for k in bad.nonzero()[0])

@@ -124,7 +124,7 @@ def bitwise(name: str, out: torch.Tensor, ref: torch.Tensor, signed_zero_equal: 
     a, b = out, ref
     if signed_zero_equal and out.dtype.is_floating_point and out.element_size() > 1:
         a, b = out + 0.0, ref + 0.0  # x + 0.0 turns -0.0 into +0.0 and leaves every other value alone
-    diff = _bits(a) != _bits(b)
+    diff = bit_pattern(a) != bit_pattern(b)
     v.metrics[f"{name}.mismatches"] = float(diff.sum())
     if diff.any():
         idx = _first(diff)
@@ -135,7 +135,9 @@ def bitwise(name: str, out: torch.Tensor, ref: torch.Tensor, signed_zero_equal: 
     return v
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bit_pattern(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as integers of its element size, so that equality is equality of bits (NaN
+    payloads and signed zeros included)."""
     t = t.contiguous()
     if t.dtype == torch.bool:
         return t.to(torch.uint8)

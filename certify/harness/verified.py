@@ -11,17 +11,14 @@ the row subsets) would add about two thirds to its cell items.
 
 from __future__ import annotations
 
-import os
 import time
 from typing import Any
 
 from certify.catalog.schema import Cell, OpFile
-from certify.harness import adversarial
-from certify.harness.archs import device_for
-from certify.harness.checks import CHECKS, certify_checked, fold, record
+from certify.harness.checks import CHECKS, certify_checked, fold, probe_for, record
 from certify.harness.contract import harness_hash
 from certify.harness.extended import certify_cell, op_for_cell
-from certify.harness.target import Outcome, build_case, variant_callable
+from certify.harness.target import Outcome
 from certify.receipts.store import Receipt
 from certify.receipts.verify import not_comparable
 
@@ -49,11 +46,8 @@ def certify_verifying(op: OpFile, variant_name: str, cell: Cell, arch: str,
     if standing is None:
         return certify_checked(op, variant_name, cell, arch)
     op = op_for_cell(op, cell)  # the probe sees the inputs the certification builds
-    if arch == "cpu-interpret":
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        probe = adversarial.Probe(variant_callable(op, variant_name),
-                                  build_case(op, cell, device_for(arch)))
+        probe = probe_for(op, variant_name, cell, arch)
     except Exception:  # noqa: BLE001 - the full path reports the error as its outcome
         return certify_checked(op, variant_name, cell, arch)
     outcome = certify_cell(op, variant_name, cell, arch, impl_override=probe)
