@@ -4,6 +4,8 @@
 #
 #     bash tools/device_certify.sh receipts [SECONDS]   # sm_90 receipts not yet fresh, for at most SECONDS
 #     bash tools/device_certify.sh engine [PYTEST_ARGS...]  # GPU engine tests, generate on cuda
+#     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
+#                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
 # What it writes comes back under $OUT: sm_90.jsonl (copy it into reports/receipts/ before the next
 # call: a stopped run resumes from the fresh receipts it carries), run.log, gpu_tests.log,
@@ -24,6 +26,19 @@ if [ "$part" = receipts ]; then
   echo "certify run --arch sm_90 --outdated: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/run.log"
   cp reports/receipts/sm_90.jsonl "$out/sm_90.jsonl"
   tail -5 "$out/run.log"
+  exit 0
+fi
+
+if [ "$part" = gates ]; then
+  limit=${1:-400}
+  shift || true
+  [ $# -gt 0 ] || set -- --tier premerge --tier postmerge
+  work=$(mktemp -d)
+  t0=$(date +%s)
+  timeout "$limit" python3 -m certify.cli gates run "$@" --report-dir "$work" -j 4 > "$out/gates.log" 2>&1
+  echo "certify gates run $*: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/gates.log"
+  tar -C "$work" -czf "$out/gates.tgz" .
+  tail -25 "$out/gates.log"
   exit 0
 fi
 
