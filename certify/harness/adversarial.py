@@ -263,9 +263,20 @@ def cuda_graph(probe: Probe) -> str:
     prepare(probe.impl, case)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):   # warm-up: compiles and autotunes outside the capture
-        probe.impl(**inputs, **outs)
-    torch.cuda.current_stream().wait_stream(side)
+    # The warm-up compiles and autotunes outside the capture. It also runs with synchronising calls
+    # raising: a call that waits on the host cannot be captured, and a capture that fails on one
+    # can leave the device unusable for the targets after it.
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.stream(side):
+            probe.impl(**inputs, **outs)
+    except RuntimeError as e:
+        if "synchroniz" not in str(e):
+            raise
+        return not_run(f"the call synchronises with the host: {str(e).splitlines()[0]}")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
