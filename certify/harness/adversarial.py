@@ -231,24 +231,69 @@ def _strided(t: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def _viewable(x: Any) -> bool:
+    return any(t.dim() > 0 and t.numel() > 1 for t in _tensors(x))
+
+
+def _as_views(x: Any) -> Any:
+    if isinstance(x, (tuple, list)):
+        return type(x)(_as_views(e) for e in x)
+    return _strided(x) if isinstance(x, torch.Tensor) else x
+
+
 def views(probe: Probe, admitted: tuple[str, ...]) -> str:
+    """Non-contiguous, offset views of the inputs. Those the contract admits (``harness.views``)
+    must be taken and give the first call's bytes. The other inputs (not updated in place) are
+    handed as views in one more call, which the variant must refuse by raising, or honour: a
+    result of other bytes is a kernel that reads a view as if it were contiguous."""
     case = probe.case
-    if not admitted:
-        return not_run("the contract admits only contiguous tensors")
     unknown = [n for n in admitted if n not in case.inputs]
     if unknown:
         return failed(f"harness.views names {unknown}, not inputs of the case {sorted(case.inputs)}")
-    inputs = probe.fresh_inputs()
-    for n in admitted:
-        inputs[n] = type(inputs[n])(_strided(t) for t in inputs[n]) \
-            if isinstance(inputs[n], (tuple, list)) else _strided(inputs[n])
-    try:
-        got = call(probe.impl, case, inputs)
-    except Exception as e:  # noqa: BLE001 - a refusal of an admitted view is the check's failure
-        return failed(f"views of {list(admitted)} refused: {type(e).__name__}: {e}")
-    problems = [p for n in case.outputs if (p := same_bytes(got[n], probe.first[n], f"output {n}"))]
-    return failed(f"non-contiguous, offset views of {list(admitted)} give other bytes: "
-                  + "; ".join(problems)) if problems else PASSED
+    verdicts = []
+    if admitted:
+        inputs = probe.fresh_inputs() | {n: _as_views(probe.before[n]) for n in admitted}
+        try:
+            got = call(probe.impl, case, inputs)
+        except Exception as e:  # noqa: BLE001 - a refusal of an admitted view is the check's failure
+            return failed(f"views of {list(admitted)} refused: {type(e).__name__}: {e}")
+        problems = [p for n in case.outputs
+                    if (p := same_bytes(got[n], probe.first[n], f"output {n}"))]
+        if problems:
+            return failed(f"non-contiguous, offset views of {list(admitted)} give other bytes: "
+                          + "; ".join(problems))
+        verdicts.append(f"takes views of {', '.join(admitted)}")
+    others = [n for n in case.inputs if n not in admitted and n not in case.inplace.values()
+              and _viewable(probe.before[n])]
+    refused, honoured, problems = {}, [], []
+    # All of them in one call; where that is refused, each alone, so that an input read as
+    # contiguous is not hidden behind another input's refusal. A refusal costs no launch.
+    for names in [others] + ([[n] for n in others] if len(others) > 1 else []):
+        inputs = probe.fresh_inputs() | {n: _as_views(probe.before[n]) for n in names}
+        try:
+            got = call(probe.impl, case, inputs)
+        except Exception as e:  # noqa: BLE001 - a refusal is what the contract asks for
+            if len(names) == 1:
+                refused[names[0]] = f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]}"
+            continue
+        bad = [p for n in case.outputs if (p := same_bytes(got[n], probe.first[n], f"output {n}"))]
+        if bad:
+            problems.append(f"views of {names}: " + "; ".join(bad))
+        else:
+            honoured += names
+        if names is others:
+            break  # honoured (or misread) all at once: nothing to single out
+    if problems:
+        return failed("non-contiguous, offset views the contract does not admit were neither "
+                      "refused nor honoured: " + " | ".join(problems))
+    if honoured:
+        verdicts.append(f"honours views of {', '.join(honoured)}")
+    if refused:
+        first = next(iter(refused.values()))
+        verdicts.append(f"refuses views of {', '.join(refused)} (e.g. {first})")
+    if not verdicts:
+        return not_run("the call has no input of more than one element")
+    return f"{PASSED}: {'; '.join(verdicts)}"
 
 
 def cuda_graph(probe: Probe) -> str:

@@ -31,7 +31,7 @@ def _mark(verdict: str) -> str:
 
 
 def harness_markdown(op: OpFile, rows: list[Row]) -> list[str]:
-    table, reasons = [], {}
+    table, reasons, layouts = [], {}, {}
     unchecked = []
     for r in rows:
         for arch, receipt in sorted(r.receipts.items()):
@@ -46,6 +46,8 @@ def harness_markdown(op: OpFile, rows: list[Row]) -> list[str]:
                 v = checks.get(c, "not run: not recorded")
                 if not v.startswith("passed"):
                     reasons.setdefault((c, v), []).append(f"{r.variant}/{r.cell}/{arch}")
+                elif c == "views" and v != "passed":
+                    layouts.setdefault((r.variant, arch), v.removeprefix("passed: "))
     md = ["## Harness checks", "",
           "Each receipt's adversarial checks (inputs untouched, canaries past each buffer, rows of "
           "in-place buffers the call does not own, a second call into dirty buffers, views, a "
@@ -64,5 +66,9 @@ def harness_markdown(op: OpFile, rows: list[Row]) -> list[str]:
         shown = ", ".join(where[:6]) + (f" and {len(where) - 6} more" if len(where) > 6 else "")
         md.append(f"- `{check}` {verdict} ({shown})")
     if reasons:
+        md.append("")
+    if layouts:
+        md += ["Views (non-contiguous, offset inputs; the first cell each variant was checked at):", ""]
+        md += [f"- `{variant}` on {arch}: {what}" for (variant, arch), what in sorted(layouts.items())]
         md.append("")
     return md

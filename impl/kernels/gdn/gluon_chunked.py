@@ -343,7 +343,7 @@ def _stages(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state, p
     chunks (none for T = 0); state pass i continues from state pass i - 1's final_state."""
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    tc.check_prefill_args(q, k, v, a, b, z, state, out, final_state)
+    tc.check_prefill_args(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state)
     if (K, V) != (HEAD, HEAD) or HV % HK:
         raise ValueError(f"gluon_chunked supports d_k = d_v = {HEAD} and whole key-head groups "
                          f"(got K={K} V={V} HK={HK} HV={HV})")

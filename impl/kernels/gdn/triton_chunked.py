@@ -45,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16, softplus
 
 CHUNK = 64
@@ -349,6 +350,7 @@ def l2norm_rows(x: torch.Tensor, *, out: torch.Tensor, eps: float = 1e-6) -> Non
     launch."""
     if out.dtype != torch.bfloat16:
         raise ValueError(f"l2norm_rows stores bf16, not {out.dtype}")
+    require_contiguous("l2norm_rows", x=x, out=out)
     D = x.shape[-1]
     rows = x.numel() // D
     R = 16
@@ -359,6 +361,7 @@ def gated_norm(o: torch.Tensor, z: torch.Tensor, norm_w: torch.Tensor, *, out: t
                ) -> None:
     """The gated RMSNorm of every row of contiguous ``o`` (bf16 or fp32) into ``out`` (bf16), the
     prefill's third launch on its own."""
+    require_contiguous("gated_norm", o=o, z=z, norm_w=norm_w, out=out)
     V = o.shape[-1]
     rows = o.numel() // V
     R = 16
@@ -376,10 +379,11 @@ def default_config(V: int) -> dict:
     return {**_DEFAULT_CONFIG, "bv": min(V, _DEFAULT_CONFIG["bv"])}
 
 
-def check_prefill_args(q, k, v, a, b, z, state, out, final_state) -> None:
+def check_prefill_args(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state) -> None:
     """What every chunked prefill kernel here (and gluon_chunked) needs of its tensors."""
-    for x in (q, k, v, a, b, z, state, out, final_state):
-        assert x.is_contiguous(), "the chunked GDN kernels read and write contiguous tensors"
+    require_contiguous("the chunked GDN kernels", q=q, k=k, v=v, a=a, b=b, A_log=A_log,
+                       dt_bias=dt_bias, z=z, norm_w=norm_w, state=state, out=out,
+                       final_state=final_state)
     if z.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         raise ValueError("the gated norm rounds to bf16: z and out must be bf16")
     if state.dtype != torch.float32 or final_state.dtype != torch.float32:
@@ -391,7 +395,7 @@ def launch_plan(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_stat
     """The launches of one prefill as [(name, callable)], in order (the benchmark times each)."""
     B, T, HK, K = q.shape
     HV, V = v.shape[2], v.shape[3]
-    check_prefill_args(q, k, v, a, b, z, state, out, final_state)
+    check_prefill_args(q, k, v, a, b, A_log, dt_bias, z, norm_w, state, out, final_state)
     if K % 16 or V % 16 or HV % HK:
         raise ValueError(f"unsupported geometry K={K} V={V} HK={HK} HV={HV}")
     cfg = {**default_config(V), **(config or {})}

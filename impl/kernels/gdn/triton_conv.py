@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.triton_support import round_to_bf16
 
 BLOCK_C = 256
@@ -49,8 +50,7 @@ def gdn_conv_update(x, weight, conv_state, *, y) -> None:
         raise ValueError("the Triton conv update rounds to bf16: x and y must be bf16")
     if conv_state.dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"unsupported conv state dtype {conv_state.dtype} (bf16 or fp32)")
-    for t in (x, weight, conv_state, y):
-        assert t.is_contiguous(), "the Triton conv update reads contiguous tensors"
+    require_contiguous("the Triton conv update", x=x, weight=weight, conv_state=conv_state, y=y)
     if B == 0:
         return
     _conv_update_kernel[(B, triton.cdiv(C, BLOCK_C))](x, weight, conv_state, y, C, BLOCK=BLOCK_C,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.triton_support import round_to_bf16, softplus
 
 
@@ -84,8 +85,8 @@ def _launch(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out, st
     B = slots.shape[0]
     HK, K = q.shape[-2], q.shape[-1]
     HV, V = v.shape[-2], v.shape[-1]
-    for t in (q, k, v, a, b, z, state_pool):
-        assert t.is_contiguous(), "the GDN row kernel reads contiguous tensors"
+    require_contiguous("the GDN row kernels", q=q, k=k, v=v, a=a, b=b, A_log=A_log,
+                       dt_bias=dt_bias, z=z, norm_w=norm_w, state_pool=state_pool, slots=slots)
     if z.dtype != torch.bfloat16:
         raise ValueError("the GDN row kernel's gated norm rounds to bf16: z must be bf16")
     if state_pool.dtype not in (torch.float32, torch.bfloat16):

@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from impl.kernels.gdn.triton_fused import gated_norm_row, row_step
+from impl.kernels.layout import require_contiguous
 
 
 @triton.jit
@@ -72,8 +73,8 @@ def _launch_split(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, o
     B = slots.shape[0]
     HK, K = q.shape[-2], q.shape[-1]
     HV, V = v.shape[-2], v.shape[-1]
-    for t in (q, k, v, a, b, z, state_pool):
-        assert t.is_contiguous(), "the GDN row kernels read contiguous tensors"
+    require_contiguous("the GDN row kernels", q=q, k=k, v=v, a=a, b=b, A_log=A_log,
+                       dt_bias=dt_bias, z=z, norm_w=norm_w, state_pool=state_pool, slots=slots)
     if z.dtype != torch.bfloat16:
         raise ValueError("the gated norm rounds to bf16: z must be bf16")
     bv = min(SPLIT_BV, V)

@@ -54,6 +54,7 @@ import triton
 import triton.language as tl
 
 from impl.kernels.gemm import widened_matmul
+from impl.kernels.layout import require_contiguous
 from impl.kernels.moe.torch_moe import shared_expert
 from impl.kernels.qsa.kv_tiles import E2M1_TIMES_SF_ASM
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
@@ -481,6 +482,10 @@ def routed_experts(x, expert_ids, weights, gate_packed, gate_sf, gate_gs, up_pac
     E, I = gate_packed.shape[0], gate_packed.shape[1]
     if I % 16 or C % 16:
         raise ValueError(f"nvfp4 blocks of 16: the widths C={C} and I={I} must be multiples of 16")
+    require_contiguous("the Triton MoE", expert_ids=expert_ids, gate_packed=gate_packed,
+                       gate_sf=gate_sf, gate_gs=gate_gs, up_packed=up_packed, up_sf=up_sf,
+                       up_gs=up_gs, down_packed=down_packed, down_sf=down_sf, down_gs=down_gs,
+                       x_gs=x_gs, h_gs=h_gs)
     name, bm = regime(expert_ids.numel(), E)
     cfg = {g: {**CONFIGS[name][g], **((config or {}).get(g) or {})} for g in ("gate_up", "down")}
     gu, dn = cfg["gate_up"], cfg["down"]

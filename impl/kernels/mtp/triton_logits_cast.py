@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.triton_support import INTERPRETING
 
 
@@ -28,7 +29,7 @@ def logits_cast(logits: torch.Tensor, *, logits_fp32: torch.Tensor) -> None:
     """logits [..., V] bf16 -> logits_fp32 [..., V] fp32, written completely."""
     if logits.dtype != torch.bfloat16 or logits_fp32.dtype != torch.float32:
         raise ValueError("the Triton logits_cast widens bf16 to fp32")
-    assert logits.is_contiguous() and logits_fp32.is_contiguous()
+    require_contiguous("the Triton logits_cast", logits=logits, logits_fp32=logits_fp32)
     n = logits.numel()
     if n == 0:
         return

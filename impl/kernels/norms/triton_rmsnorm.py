@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.triton_support import round_to_bf16
 
 EPS = 1e-6  # spec/ops/norms.py:EPS
@@ -36,7 +37,7 @@ def rmsnorm(x: torch.Tensor, w: torch.Tensor, *, out: torch.Tensor, eps: float =
     if x.dtype != torch.bfloat16 or out.dtype != torch.bfloat16:
         raise ValueError("the Triton rmsnorm rounds to bf16: x and out must be bf16")
     D = x.shape[-1]
-    assert x.is_contiguous() and out.is_contiguous() and w.is_contiguous()
+    require_contiguous("the Triton rmsnorm", x=x, w=w, out=out)
     rows = x.numel() // D
     if rows == 0:
         return

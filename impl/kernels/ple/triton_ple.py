@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from impl.kernels.gemm import widened_matmul
+from impl.kernels.layout import require_contiguous
 from impl.kernels.triton_support import round_to_bf16
 
 EPS = 1e-6   # spec.ops.norms.EPS
@@ -112,6 +113,8 @@ def ple_embed(ids: torch.Tensor, history: torch.Tensor, x_emb: torch.Tensor, tab
         raise ValueError(f"e must be a contiguous bf16 [{T}, {L}, {P}]")
     if history.dim() == 2 and tuple(history.shape) != (T, 2):
         raise ValueError(f"a per-row history must be [{T}, 2], got {tuple(history.shape)}")
+    require_contiguous("the Triton PLE embedding", table=table, ngram_table=ngram_table,
+                       norm_w=norm_w)
     if T == 0:
         return
     context = widened_matmul(x_emb, w_ple).contiguous()

@@ -43,6 +43,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4, KvFormat, load_kv_tile_bf16, \
     load_kv_tile_f16, slots_of
 from impl.kernels.triton_support import INTERPRETING, round_to_bf16
@@ -224,9 +225,8 @@ def _check(q, gate, tokens, seq_ids, block_table, out):
         raise ValueError("the Triton sparse GQA rounds to bf16: q, gate and out must be bf16")
     if d < 16 or d & (d - 1):
         raise ValueError(f"head_dim must be a power of two >= 16, got {d}")
-    for t in (q, gate, tokens, seq_ids, block_table, out):
-        if not t.is_contiguous():
-            raise ValueError("inputs must be contiguous")
+    require_contiguous("the sparse GQA kernels", q=q, gate=gate, tokens=tokens, seq_ids=seq_ids,
+                       block_table=block_table, out=out)
     if tokens.shape[0] != n or seq_ids.shape[0] != n or gate.shape != q.shape or out.shape != q.shape:
         raise ValueError("q, gate, tokens, seq_ids and out disagree on the rows")
 

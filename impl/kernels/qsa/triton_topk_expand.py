@@ -24,6 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
+from impl.kernels.layout import require_contiguous
 from impl.kernels.qsa.topk_keys import MAX_TRITON_COLS
 
 TPB = 32          # tokens per block
@@ -111,7 +112,8 @@ def qsa_topk_expand(scores: torch.Tensor, positions: torch.Tensor,
     width = k + sink_blocks + local_blocks
     if selected.shape != (n, width) or tokens.shape != (n, TPB * width):
         raise ValueError("selected must be [N, k + sink + local] and tokens [N, 32 * that]")
-    assert scores.is_contiguous() and selected.is_contiguous() and tokens.is_contiguous()
+    require_contiguous("the fused top-k expansion", scores=scores, positions=positions,
+                       context_lens=context_lens, selected=selected, tokens=tokens)
     if n == 0:
         return
     block_c = max(triton.next_power_of_2(c), 16)
