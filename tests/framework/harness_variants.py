@@ -4,6 +4,7 @@ alone does not show: the harness checks (``certify.harness.checks``) must catch 
 import torch
 
 from impl.kernels.gdn import torch_ops
+from impl.kernels.layout import require_contiguous
 
 
 def norm_clean(o, z, w, *, out) -> None:
@@ -53,3 +54,10 @@ def decode_writes_a_spare_pool_row(q, k, v, a, b, A_log, dt_bias, z, norm_w, sta
     torch_ops.gdn_decode(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots, out=out)
     spare = next(i for i in range(state_pool.shape[0]) if i not in set(slots.tolist()))
     state_pool[spare].zero_()
+
+
+def norm_refuses_views(o, z, w, *, out) -> None:
+    """Refuses what it would read wrongly, as the kernels' layout contract does."""
+    require_contiguous("the planted norm", o=o, z=z, w=w)
+    torch_ops.gated_rmsnorm(o, z, w, out=out)
+

@@ -33,7 +33,7 @@ NORM = textwrap.dedent("""\
         oracle: {{kind: bitwise, against: spec}}
     {harness}""")
 NAMES = ("clean", "writes_one_past_its_output", "scribbles_on_its_input", "reads_its_stale_output",
-         "small_batches_rounded_otherwise", "ignores_strides")
+         "small_batches_rounded_otherwise", "ignores_strides", "refuses_views")
 
 
 def norm_op(tmp_path, harness: str = ""):
@@ -53,9 +53,9 @@ def test_the_clean_variant_passes_every_check_that_runs(tmp_path):
     outcome, harness = run(op, "clean")
     assert outcome.status == "passed", outcome.message
     assert list(harness["checks"]) == list(CHECKS)
-    ran = {c for c, v in harness["checks"].items() if v == "passed"}
-    assert ran == {"inputs_untouched", "canary", "dirty_reuse", "rows_order", "batch_size"}
-    assert harness["checks"]["views"] == "not run: the contract admits only contiguous tensors"
+    ran = {c for c, v in harness["checks"].items() if v.startswith("passed")}
+    assert ran == {"inputs_untouched", "canary", "dirty_reuse", "views", "rows_order", "batch_size"}
+    assert harness["checks"]["views"] == "passed: honours views of o, z, w"
     assert harness["checks"]["cuda_graph"].startswith("not run: a CUDA-graph replay needs")
 
 
@@ -81,10 +81,26 @@ def test_a_planted_variant_fails_its_check_and_its_target(tmp_path, variant, che
 
 def test_views_the_contract_admits_are_used_and_a_variant_that_ignores_strides_fails(tmp_path):
     op = norm_op(tmp_path, harness="harness:\n  views: [o, z]\n")
-    assert run(op, "clean")[1]["checks"]["views"] == "passed"
+    assert run(op, "clean")[1]["checks"]["views"] == "passed: takes views of o, z; honours views of w"
     outcome, harness = run(op, "ignores_strides")
     assert harness["checks"]["views"].startswith("failed: non-contiguous, offset views of ['o', 'z']")
     assert outcome.status == "failed"
+    outcome, harness = run(op, "refuses_views")
+    assert harness["checks"]["views"].startswith("failed: views of ['o', 'z'] refused: ValueError")
+
+
+def test_views_the_contract_does_not_admit_are_refused_or_honoured_never_misread(tmp_path):
+    op = norm_op(tmp_path)
+    outcome, harness = run(op, "refuses_views")
+    assert outcome.status == "passed", outcome.message
+    assert harness["checks"]["views"].startswith(
+        "passed: refuses views of o, z, w (e.g. ValueError: the planted norm: tensors read by "
+        "row-major offsets must be contiguous; not contiguous: o (shape (8, 2, 16)")
+    outcome, harness = run(op, "ignores_strides")
+    assert outcome.status == "failed"
+    assert harness["checks"]["views"].startswith(
+        "failed: non-contiguous, offset views the contract does not admit were neither refused nor "
+        "honoured: views of ['o', 'z', 'w']: output out: ")
 
 
 def test_a_declared_row_split_and_a_refusal_are_read(tmp_path):
@@ -159,7 +175,7 @@ def test_the_op_note_shows_each_receipts_checks_and_says_harness_not_run_for_old
     assert "| clean " in section and "current" in section and "FAIL" in section
     assert ("harness: not run (receipts made before the harness checks existed; their numbers stay "
             "fresh): `small_batches_rounded_otherwise` at `rows_8` on cpu") in section
-    assert "- `views` not run: the contract admits only contiguous tensors" in section
+    assert "- `clean` on cpu: honours views of o, z, w" in section
 
 
 def test_a_wrong_batch_invariance_claim_fails_its_target():
