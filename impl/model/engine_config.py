@@ -520,18 +520,47 @@ def _device_present(c: EngineConfig, ctx: RuleContext) -> str | None:
     return None
 
 
-def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
+def _forward_op_names(c: EngineConfig) -> list[str]:
+    """The ops the configuration's forward calls, less the verify-width ops (their own rule) and
+    the pinned ones (moe_backend_supported's)."""
     from impl.model.ops import (FORWARD_OPS, INDEX_SHARE_OPS, KV_CODEC_OPS, MULTIMODAL_OPS,
                                 SPECULATION_OPS)
 
     sharing = c.speculative is not None and c.speculative.index_share
     names = [n for n in FORWARD_OPS if sharing or n not in INDEX_SHARE_OPS]
     names += [KV_CODEC_OPS[c.kv_cache_dtype]] if c.kv_cache_dtype in KV_CODEC_OPS else []
-    if c.speculative is not None:  # the verify-width ops have their own rule
+    if c.speculative is not None:
         names += [n for n in SPECULATION_OPS if n not in VERIFY_WIDTH_OPS]
     if c.multimodal:
         names += list(MULTIMODAL_OPS)
-    names = [n for n in names if n not in c.pinned_variants()]  # moe_backend_supported's
+    return [n for n in names if n not in c.pinned_variants()]
+
+
+def _batch_invariant_references(c: EngineConfig, ctx: RuleContext) -> str | None:
+    """Batch-invariant mode promises a row's result independent of the other rows: a reference
+    variant with a cell declared to fail on the arch (``expected_failures``, e.g. its
+    batch-invariance check failing there) cannot keep that promise."""
+    if not c.batch_invariant:
+        return None
+    problems = []
+    widths = [n for n in VERIFY_WIDTH_OPS if c.speculative is not None]
+    for name in _forward_op_names(c) + widths:
+        op = ctx.catalog.ops.get(name)
+        chosen = choose_variant(c, op, ctx.arch).variant if op is not None else None
+        if chosen is None:
+            continue   # ops_run_on_the_arch names it
+        failing = [(cell.id, e.why) for cell in op.cells for e in cell.expected_failures
+                   if e.variant == chosen and e.arch == ctx.arch]
+        if failing:
+            cell, why = failing[0]
+            more = f" (and {len(failing) - 1} more cells)" if len(failing) > 1 else ""
+            problems.append(f"{name}'s {chosen} is declared to fail cell {cell}{more} on "
+                            f"{ctx.arch}: {why.split(': ')[0]}")
+    return "; ".join(problems) or None
+
+
+def _ops_run_on_the_arch(c: EngineConfig, ctx: RuleContext) -> str | None:
+    names = _forward_op_names(c)
     missing = [n for n in names if n in ctx.catalog.ops
                and choose_variant(c, ctx.catalog.ops[n], ctx.arch).variant is None]
     missing += [n for n in names if n not in ctx.catalog.ops]
@@ -750,6 +779,9 @@ RULES: list[Rule] = [
     Rule("ops_run_on_the_arch",
          "Every op the forward runs has a variant on the arch (in batch-invariant mode, a reference "
          "variant).", _ops_run_on_the_arch),
+    Rule("batch_invariant_references_hold",
+         "In batch-invariant mode, no reference variant the forward runs is declared to fail a cell "
+         "on the arch.", _batch_invariant_references),
     Rule("numerics_tier_runs_on_the_arch",
          "Every op given a numerics tier declares that tier, and a variant of the tier runs on the "
          "arch (in batch-invariant mode, a reference variant of it).", _numerics_tiers),
