@@ -10,6 +10,17 @@ speculation), the step kinds and the variant each op ran. Prompts are ``--prompt
 ``--random-prompts N --prompt-len L``. Exit 0, or 2 when the configuration is refused or any request
 is rejected (the others still run).
 
+Video input (``--multimodal``, the tiny model only): ``--frames N`` gives every prompt N synthetic
+frames, drawn by the frame task's maker (``impl.tasks.frames``: dim noise, a bright square in one
+frame) from ``--seed`` and the request's index, and puts their placeholder run (``FRAME_TOKEN`` x N x
+the tower's tokens a frame) at the prompt's start, after ``BOS`` where the tokenizer prepends it. The
+frame task's prompt is that run then ``\\n?FR=``; the tiny checkpoint answers with the index of the
+frame holding the square, which each result line shows. The tower's weights are ``--vision FILE``; by
+default the checkpoint's own file beside it (``NAME-vision.safetensors``: the committed one is
+``checkpoints/flashnext-tiny-vision.safetensors``), or seeded random ones with ``--random-weights``.
+With ``--multimodal`` random prompts leave out the placeholder id, which a multimodal engine refuses
+outside a frame run.
+
 A checkpoint whose vocabulary is the tasks' byte tokenizer (impl/tasks/tokenizer.py, 256 ids: the
 tiny checkpoint) reads a ``--prompt`` as the tasks do: ``BOS`` then the text's bytes (printable ASCII
 and newline). Its requests stop at the tokenizer's ``END`` unless ``--stop-token`` names other stop
@@ -21,12 +32,14 @@ without a traceback (exit 2): an option out of range (argparse), a field pydanti
 rule of impl/model/engine_config.py (named, as ``explain`` names it; checked before the weights load
 and again on the checkpoint's geometry), a missing or invalid checkpoint file (naming the file and the
 field at fault), a checkpoint of another preset's geometry, a prompt the tokenizer cannot read, a
-stop token outside the vocabulary.
+stop token outside the vocabulary, ``--frames`` or ``--vision`` without ``--multimodal``, a frame
+count the model's tower does not take, a missing or invalid vision tower file.
 """
 
 from __future__ import annotations
 
 import argparse
+import random
 import sys
 from pathlib import Path
 
@@ -37,6 +50,7 @@ from impl.model.engine_config import (EngineConfig, SpeculativeConfig, check, de
 
 # The checkpoint the project commits (docs/training.md trains it again), relative to the checkout.
 TINY_CHECKPOINT = "checkpoints/flashnext-tiny.safetensors"
+_TINY_VISION = "checkpoints/flashnext-tiny-vision.safetensors"   # its vision tower (--multimodal)
 _ROOT = Path(__file__).resolve().parents[2]
 
 _DESCRIPTION = """\
@@ -54,6 +68,7 @@ prompt format of the tiny checkpoint (impl/tasks/: BOS is prepended, answers end
   arithmetic  "Q: <problem> How many <items> does <name> have now?\\nA:"  ->  " <steps>\\n#### N"
   mqar        "AB=12 QX=08 MD=77\\n?QX="                                 ->  "08"
   retrieval   "<letters, with records KXQT=5519023784;>\\n?KXQT="          ->  "5519023784"
+  frames      --multimodal --frames 4 --prompt $'\\n?FR='                ->  "02" (the square's frame)
 (in bash, $'...' writes the newline: --prompt $'AB=12 QX=08 MD=77\\n?QX=')
 
 examples (from the repository root; an answer ends at END, which the text leaves out; an arithmetic
@@ -62,7 +77,9 @@ answer takes up to 89 tokens, more than the default --max-new-tokens):
     --prompt $'Q: Mia has 14 pens. She buys 3 boxes of 6 pens each. How many pens does Mia have now?\\nA:' \\
     --max-new-tokens 96
   python -m impl.model.cli generate --checkpoint checkpoints/flashnext-tiny.safetensors \\
-    --prompt $'AB=12 QX=08 MD=77 KE=40\\n?QX='"""
+    --prompt $'AB=12 QX=08 MD=77 KE=40\\n?QX='
+  python -m impl.model.cli generate --checkpoint checkpoints/flashnext-tiny.safetensors \\
+    --multimodal --frames 4 --prompt $'\\n?FR='"""
 
 
 class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -144,7 +161,7 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     e.add_argument("--multimodal", action="store_true",
                    help="accept video frames in requests (EngineConfig.multimodal; tiny only, no "
                         "speculation, disaggregation or CUDA graphs: explain shows the rules); "
-                        "generate sends text prompts only and refuses it")
+                        "generate attaches frames with --frames")
     e.add_argument("--numerics", action="append", default=[], metavar="OP=TIER",
                    help="choose OP's variants from its numerics TIER (e.g. "
                         "gdn_prefill=bf16_operands; default: every op's exact tier); repeatable")
@@ -191,6 +208,17 @@ def _parser() -> argparse.ArgumentParser:
                    help="tokens of each random prompt")
     g.add_argument("--max-new-tokens", type=_int_at_least(1), default=32,
                    help="tokens generated a request at most")
+    g.add_argument("--frames", type=_int_at_least(1), default=0, metavar="N",
+                   help="give every prompt N synthetic frames (impl/tasks/frames.py's maker: dim "
+                        "noise, a bright square in one frame; seeded by --seed and the request), "
+                        "their placeholder run at the prompt's start, after BOS; needs --multimodal; "
+                        "N a multiple of the tower's group up to its max_frames (tiny: 2, 4, 6 or 8) "
+                        "(default: 0, text prompts only)")
+    g.add_argument("--vision", metavar="FILE", default=None,
+                   help="the vision tower's weights for --multimodal (impl/model/vision.py's file "
+                        "format) (default: with --checkpoint NAME.safetensors, NAME-vision.safetensors "
+                        "beside it, e.g. checkpoints/flashnext-tiny-vision.safetensors; with "
+                        "--random-weights, seeded random weights)")
     stop = g.add_mutually_exclusive_group()
     stop.add_argument("--stop-token", type=_int_at_least(0), action="append", default=None,
                       metavar="ID",
@@ -328,6 +356,67 @@ def _stop_ids(args, cfg, tasks: bool) -> tuple[int, ...]:
     return ()
 
 
+def _check_video(args, config: EngineConfig) -> None:
+    """``--frames`` and ``--vision`` against ``--multimodal`` and the model's tower, before anything
+    loads (a preset without a tower is left to rule multimodal_model_has_a_vision_tower)."""
+    from impl.model.vision import vision_geometry
+    for flag, given in (("--frames", args.frames), ("--vision", args.vision)):
+        if given and not config.multimodal:
+            raise _Refused(f"{flag} {given}: needs --multimodal (video input, "
+                           f"EngineConfig.multimodal; the tiny model only)")
+    geo = vision_geometry(config.model)
+    if not args.frames or geo is None:
+        return
+    if args.frames > geo.max_frames or args.frames % geo.group:
+        *most, last = [str(n) for n in range(geo.group, geo.max_frames + 1, geo.group)]
+        counts = f"{', '.join(most)} or {last}" if most else last
+        raise _Refused(f"--frames {args.frames}: the {config.model} model's vision tower takes "
+                       f"{counts} frames a request (whole groups of {geo.group}, at most "
+                       f"{geo.max_frames})")
+
+
+def _vision_weights(args, config: EngineConfig, dtype):
+    """The tower's weights of a multimodal run (None otherwise): ``--vision``, else the checkpoint's
+    file beside it, else (``--random-weights``) seeded random ones; ``_Refused`` names the file."""
+    if not config.multimodal:
+        return None
+    import torch
+    from safetensors import SafetensorError
+
+    from impl.model.vision import load_vision, vision_geometry
+    geo = vision_geometry(config.model)
+    if args.vision is None and args.random_weights:
+        from spec.ops.vision import init_vision_weights
+        return init_vision_weights(geo, torch.Generator().manual_seed(args.seed), dtype=dtype,
+                                   device=config.device)
+    if args.vision is not None:
+        path = Path(args.vision)
+        if not path.is_file():
+            raise _Refused(f"--vision {args.vision}: no such file; the tiny checkpoint's tower is "
+                           f"{_TINY_VISION} (python -m impl.train.train_frames trains it again)")
+    else:
+        ckpt = Path(args.checkpoint)
+        path = ckpt.with_name(f"{ckpt.stem}-vision.safetensors")
+        if not path.is_file():
+            raise _Refused(f"--multimodal: no vision tower beside --checkpoint {args.checkpoint} "
+                           f"({path} is absent); pass --vision FILE, such as {_TINY_VISION}")
+    try:
+        return load_vision(path, geo, dtype, config.device)
+    except (ValueError, OSError, SafetensorError) as err:
+        text = str(err) if isinstance(err, ValueError) else f"{path}: not a readable file ({err})"
+        raise _Refused(f"{text}\n--vision takes a vision tower file (impl/model/vision.py's "
+                       f"save_vision), such as {_TINY_VISION}") from None
+
+
+def _frame_samples(args, count: int) -> list:
+    """``count`` samples of the frame task (impl/tasks/frames.py) with ``--frames`` frames each, drawn
+    in request order from ``--seed``: each holds its pixels and the frame with the bright square."""
+    from impl.tasks.frames import FrameParams, Frames
+    rng = random.Random(args.seed)
+    params = FrameParams(frames=args.frames)
+    return [Frames().generate(rng, params, i) for i in range(count)]
+
+
 def _token_name(token: int, cfg) -> str:
     if _byte_vocab(cfg):
         from impl.tasks.tokenizer import END
@@ -344,12 +433,12 @@ def _generate(args, config: EngineConfig) -> int:
     from impl.model.engine import Engine
     from impl.model.engine_config import ConfigRefused, route
     from impl.model.placement import to_device
+    from impl.model.vision import vision_geometry
+    from spec.ops.vision import FRAME_TOKEN
 
     if not args.prompt and not args.random_prompts:
         raise _Refused("no prompt: give --prompt TEXT or --random-prompts N")
-    if config.multimodal:
-        raise _Refused("--multimodal: generate sends text prompts only; requests with frames go "
-                       "through the Python API (Engine(config, weights, vision=...))")
+    _check_video(args, config)
     if args.random_weights and config.model != "tiny":
         raise _Refused("--random-weights builds the tiny model only (the target's weights do not fit)")
     try:
@@ -368,16 +457,26 @@ def _generate(args, config: EngineConfig) -> int:
     tasks = bool(args.checkpoint) and _byte_vocab(cfg)   # trained on impl/tasks/ prompts and END
     prompts = _prompt_ids(args.prompt, tasks)
     stops = _stop_ids(args, cfg, tasks)
+    vision = _vision_weights(args, config, dtype)
     gen = torch.Generator().manual_seed(args.seed)
-    prompts += [tuple(torch.randint(0, cfg.vocab_size, (args.prompt_len,), generator=gen).tolist())
-                for _ in range(args.random_prompts)]
+    # A multimodal engine refuses the placeholder id outside a frame run: random ids skip it.
+    skip = FRAME_TOKEN if config.multimodal else cfg.vocab_size
+    randoms = [torch.randint(0, cfg.vocab_size - (skip < cfg.vocab_size), (args.prompt_len,),
+                             generator=gen) for _ in range(args.random_prompts)]
+    prompts += [tuple((ids + (ids >= skip).long()).tolist()) for ids in randoms]
+    samples = _frame_samples(args, len(prompts)) if args.frames else []
+    if samples:   # the run after BOS (a prompt of the tasks' tokenizer starts with it) or first
+        run = (FRAME_TOKEN,) * (args.frames * vision_geometry(config.model).tokens_per_frame)
+        heads = [1 if tasks else 0] * len(args.prompt) + [0] * args.random_prompts
+        prompts = [p[:h] + run + p[h:] for p, h in zip(prompts, heads)]
     requests = [Request(request_id=f"req{i}", prompt=p, max_new_tokens=args.max_new_tokens,
-                        stop_token_ids=stops)
+                        stop_token_ids=stops, frames=samples[i].frames if samples else None)
                 for i, p in enumerate(prompts)]
     try:
         if config.device != "cpu":
             weights = to_device(weights, config.device)
-        engine = Engine(config, weights, cfg=cfg)   # the rules again, on the checkpoint's geometry
+        # the rules again, on the checkpoint's geometry
+        engine = Engine(config, weights, cfg=cfg, vision=vision)
     except ConfigRefused as err:
         raise _Refused(str(err)) from None
     columns = (TextColumn("generating"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
@@ -399,7 +498,11 @@ def _generate(args, config: EngineConfig) -> int:
         # One character a byte; ascii() escapes the ids that are not printable ASCII (\x01, \xcf).
         text = f"  {ascii(bytes(shown).decode('latin-1'))}" if _byte_vocab(cfg) else ""
         al = f" acceptance length {res.acceptance_length:.2f}" if res.acceptance_length else ""
-        print(f"{rid}: {res.tokens}{end}{al}{text}")
+        shot = ""
+        if samples:
+            meta = samples[int(rid[3:])].meta
+            shot = f"  ({meta['frames']} frames, the bright square in frame {meta['target']:02d})"
+        print(f"{rid}: {res.tokens}{end}{al}{text}{shot}")
     print(f"{report.generated_tokens} tokens in {report.seconds:.2f} s: "
           f"{report.tokens_per_second:.1f} tokens/s over {report.steps} steps {report.step_kinds}")
     if report.acceptance_length is not None:

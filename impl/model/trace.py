@@ -14,6 +14,17 @@ IndexShare, the trunk's last QSA selection for them) and K - 1 one-row draft pas
 on meta, so acceptance is the scenario's ``accepted`` and ops that branch on values run their
 shape-only stand-ins (``Ops(shape_only=True)``, and the spec's ``# meta:`` fast paths).
 
+Video input. The target has no vision tower, so a scenario whose prompt chunks carry ``frames`` runs at
+the tiny geometry (``model: tiny``, the model the engine serves frames for) in a multimodal engine. A
+frame request's prompt is the frame task's: ``BOS``, then its placeholder run, then text. Its first
+chunk (the one starting at token 0: the engine runs the tower when the request is submitted, before
+that step) runs ``vision_tower`` through ``impl.model.vision.prepare_frames``, as ``Engine.submit``
+does; the step then splices the tower's rows and rotates every row by the [3, N] mRoPE positions of
+``impl.model.vision.step_inputs``, as ``Engine._trunk_pass`` does. The reach records only the calls of
+the ops that video input alone dispatches (``impl.model.ops.MULTIMODAL_OPS``) from such a scenario:
+the reach describes the target geometry, and the tiny trunk's other calls (hidden 128, 8 experts, ...)
+lie outside the domains the op files declare for it.
+
 One forward serves every mode: the forward runs the reference variants (the spec's paths, which have the
 meta fast paths) and records each call's axes; the variant each (arch, batch-invariant) mode runs is then
 chosen by a ``Dispatcher`` for that mode from the same calls. That is sound because the engine's op calls
@@ -44,10 +55,12 @@ from impl.model.dispatch import DispatchError, Dispatcher, OpCall
 from impl.model.engine_config import (EngineConfig, MoeBackend, RuleContext, SpeculativeConfig,
                                       check)
 from impl.model.model import Model, Span, StepOutput, StepRows
-from impl.model.ops import Ops
+from impl.model.ops import MULTIMODAL_OPS, Ops
+from impl.model.vision import FramePrompt, prepare_frames, step_inputs, vision_geometry
 from spec.config import ModelConfig
 from spec.model import Weights, init_weights
 from spec.ops.qsa import QsaPlanes
+from spec.ops.vision import FRAME_TOKEN, VisionWeights, init_vision_weights
 
 META = torch.device("meta")
 _STATE = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -71,12 +84,26 @@ class Chunk(_Strict):
     context: int = Field(ge=1)
     last: bool = Field(True, description="the chunk ends the prompt (a token is emitted; with "
                                          "speculation the request then drafts)")
+    frames: int = Field(0, ge=0, description="video frames the request carries (0: none), their "
+                                            "placeholder run right after its token 0 (BOS); needs "
+                                            "a model with a vision tower (model: tiny)")
 
     @model_validator(mode="after")
     def _fits(self) -> Chunk:
         if self.chunk > self.context:
             raise ValueError(f"a chunk of {self.chunk} rows cannot end at token {self.context}")
         return self
+
+    @property
+    def start(self) -> int:
+        return self.context - self.chunk
+
+    def prompt(self, tokens_per_frame: int) -> tuple[int, ...]:
+        """The request's prompt as far as the scenario sees it: BOS, the frame run, then text up to
+        token ``context`` (one more when the chunk does not end the prompt)."""
+        run = self.frames * tokens_per_frame
+        n = max(self.context + (0 if self.last else 1), 1 + run + 1)
+        return (1, *(FRAME_TOKEN,) * run, *(0,) * (n - 1 - run))
 
 
 class Scenario(ScenarioBase):
@@ -94,6 +121,9 @@ class Scenario(ScenarioBase):
     gdn_commit: Literal["cached", "recompute"] = "cached"
     moe_backend: MoeBackend = "auto"
     max_num_tokens: int = Field(8192, ge=1)
+    model: Literal["target", "tiny"] = Field("target", description=(
+        "the geometry the step runs at: the target, or the tiny model (the one with a vision tower, "
+        "for prompt chunks with frames)"))
 
     @model_validator(mode="after")
     def _one_engine_step(self) -> Scenario:
@@ -116,8 +146,25 @@ class Scenario(ScenarioBase):
                 raise ValueError(f"a verify request at context {g.context} cannot hold K + 1 rows")
         if self.rows > self.max_num_tokens:
             raise ValueError(f"the step's {self.rows} rows exceed max_num_tokens {self.max_num_tokens}")
+        if self.multimodal:
+            vision = vision_geometry(self.model)
+            if vision is None:
+                raise ValueError(f"frames need a model with a vision tower; the {self.model} model "
+                                 f"has none (model: tiny)")
+            for c in self.prefill:
+                if c.frames and (c.frames > vision.max_frames or c.frames % vision.group):
+                    raise ValueError(f"a request carries whole groups of {vision.group} frames, at "
+                                     f"most {vision.max_frames}; got {c.frames}")
+                if c.frames and c.last and c.context < 1 + c.frames * vision.tokens_per_frame + 1:
+                    raise ValueError(f"a prompt of {c.context} tokens cannot hold BOS, the run of "
+                                     f"{c.frames} frames and a text token")
         self.engine_config(Mode("cpu"))  # a field the engine's configuration refuses fails here
         return self
+
+    @property
+    def multimodal(self) -> bool:
+        """Whether a request of the step carries frames (the engine serving it has video input)."""
+        return any(c.frames for c in self.prefill)
 
     @property
     def rows(self) -> int:
@@ -139,21 +186,31 @@ class Scenario(ScenarioBase):
         """The configuration an engine serving this step runs with, in ``mode``."""
         spec = (SpeculativeConfig(draft_length=self.draft_length, index_share=self.index_share)
                 if self.draft_length else None)
-        return EngineConfig(model="target", device="cuda" if mode.arch.startswith("sm_") else "cpu",
+        return EngineConfig(model=self.model, device="cuda" if mode.arch.startswith("sm_") else "cpu",
                             kv_cache_dtype=self.kv_dtype,
                             state_dtype=self.state_dtype, max_batch_size=self.requests,
                             max_num_tokens=self.max_num_tokens, max_seq_len=self.max_context,
                             speculative=spec, batch_invariant=mode.batch_invariant,
-                            gdn_commit=self.gdn_commit, moe_backend=self.moe_backend)
+                            gdn_commit=self.gdn_commit, moe_backend=self.moe_backend,
+                            multimodal=self.multimodal)
+
+    def geometry(self) -> ModelConfig:
+        return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
 
 
 # ------------------------------------------------------------------------------------- the forward
 
 
-@lru_cache(maxsize=1)
-def _target() -> tuple[ModelConfig, Weights]:
-    cfg = ModelConfig.target()
+@lru_cache(maxsize=2)
+def _meta_model(model: str) -> tuple[ModelConfig, Weights]:
+    cfg = ModelConfig.tiny() if model == "tiny" else ModelConfig.target()
     return cfg, init_weights(cfg, dtype=torch.bfloat16, device=META)
+
+
+def _meta_vision(model: str, dtype: torch.dtype) -> VisionWeights:
+    """The model's tower on meta (its shapes are what the tracer needs; the values do not exist)."""
+    return init_vision_weights(vision_geometry(model), torch.Generator().manual_seed(0), dtype=dtype,
+                               device=META)
 
 
 class _ReferenceDispatcher(Dispatcher):
@@ -183,16 +240,31 @@ class _Forward:
         # (slot, rows, start, GDN mode, ends its prompt) in the engine's row order: decode rows in
         # arrival order, then the prompt chunks (Engine._schedule); verify steps hold verify rows only.
         plan: list[tuple[int, int, int, str, bool]] = []
+        # Per row group of the plan, (its chunk when it carries frames, else None; the engine's
+        # scheduling mode).
+        self.modes: list[tuple[Chunk | None, str]] = []
         for g in sc.decode:
             plan += [(len(plan) + i, 1, g.context - 1, "decode", True) for i in range(g.requests)]
+            self.modes += [(None, "decode")] * g.requests
         for c in sc.prefill:  # a 1-row chunk is a decode row for the GDN layers (Engine.step)
-            plan.append((len(plan), c.chunk, c.context - c.chunk,
-                         "decode" if c.chunk == 1 else "prefill", c.last))
+            plan.append((len(plan), c.chunk, c.start, "decode" if c.chunk == 1 else "prefill", c.last))
+            self.modes.append((c if c.frames else None, "prefill"))
         for g in sc.verify:
             plan += [(len(plan) + i, self.k + 1, g.context - self.k - 1, "verify", True)
                      for i in range(g.requests)]
+            self.modes += [(None, "verify")] * g.requests
         self.plan = plan
+        self.weights = weights
         self.cache = self._cache(weights)
+
+    def _frame_prompt(self, c: Chunk) -> FramePrompt:
+        """The chunk's request as ``Engine.submit`` prepares it: its frames through the tower, its
+        rows and its prompt's mRoPE positions."""
+        vision = vision_geometry(self.sc.model)
+        tower = _meta_vision(self.sc.model, self.weights.dtype)
+        frames = torch.empty(c.frames, vision.channels, vision.frame_size, vision.frame_size,
+                             dtype=torch.float32, device=META)
+        return prepare_frames(c.prompt(vision.tokens_per_frame), frames, tower, vision, self.ops)
 
     def _cache(self, weights: Weights) -> EngineCache:
         """A pool with the pages the requests hold (``Engine`` sizes it for max_seq_len a slot), each
@@ -226,7 +298,13 @@ class _Forward:
                 valid[table[slot, :start // PAGE].long()] = True
 
     def run(self) -> list[OpCall]:
+        # A frame request's tower call belongs to the step of its first chunk (Engine.submit runs it
+        # just before); a later chunk's request ran it steps before, outside this step's trace.
+        earlier = {i: self._frame_prompt(c) for i, (c, _) in enumerate(self.modes)
+                   if c is not None and c.start > 0}
         self.d.start_trace()
+        frames = [earlier[i] if i in earlier else self._frame_prompt(c) if c is not None else None
+                  for i, (c, _) in enumerate(self.modes)]
         spans = [Span(slot, lo, lo + rows, start, mode) for (slot, rows, start, mode, _), lo in
                  zip(self.plan, _offsets([rows for _, rows, _, _, _ in self.plan]))]
         # The rows the engine reads logits for (Engine._trunk_pass): verify rows, decode rows and
@@ -237,8 +315,14 @@ class _Forward:
                 logit_rows += list(range(sp.lo, sp.hi))
             elif mode == "decode" or last:
                 logit_rows.append(sp.hi - 1)
+        # Frame requests (Engine._trunk_pass): the tower's rows spliced at their placeholders, and
+        # every row of the step rotated by [3, N] mRoPE positions.
+        splice, rope = step_inputs([(fp, mode, sp.start, sp.rows)
+                                    for fp, (_, mode), sp in zip(frames, self.modes, spans)])
+        rows = StepRows.build(spans)
+        rows.rope_positions = rope
         out = self.model.trunk(torch.zeros(sum(sp.rows for sp in spans), dtype=torch.int64),
-                               StepRows.build(spans), self.cache, logit_rows)
+                               rows, self.cache, logit_rows, splice)
         if self.sc.verify:
             self._after_verify(spans, out)
         elif self.k:  # a context step with speculation: the draft layer reads the chunks' rows
@@ -309,9 +393,9 @@ def _offsets(sizes: list[int]) -> list[int]:
 def forward_calls(sc: Scenario, catalog: Catalog, cfg: ModelConfig | None = None,
                   weights: Weights | None = None) -> list[OpCall]:
     """Every op call of the scenario's passes, in order (reference variants; see the module doc).
-    ``cfg`` / ``weights`` default to the target geometry on meta (the driver test passes others)."""
+    ``cfg`` / ``weights`` default to the scenario's geometry on meta (the driver test passes others)."""
     if cfg is None or weights is None:
-        cfg, weights = _target()
+        cfg, weights = _meta_model(sc.model)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host-side index work on small tensors: threads only add overhead
     try:
@@ -331,12 +415,19 @@ class Tracer:
     def describe(self) -> dict:
         cfg = ModelConfig.target()
         kinds = cfg.layer_kinds()
+        tiny, vision = ModelConfig.tiny(), vision_geometry("tiny")
         return {
             "forward": "impl.model.model.Model.trunk and Model.draft on meta tensors "
                        "(impl/model/trace.py)",
             "geometry": f"ModelConfig.target(): hidden {cfg.hidden}, {kinds.count('gdn')} GDN + "
                         f"{kinds.count('qsa')} QSA layers, {cfg.num_experts} experts, vocabulary "
                         f"{cfg.vocab_size}, bf16 weights",
+            "geometry_frames": f"scenarios with frames (model: tiny): ModelConfig.tiny(), hidden "
+                               f"{tiny.hidden}, with its vision tower ({vision.channels} x "
+                               f"{vision.frame_size} x {vision.frame_size} frames, "
+                               f"{vision.tokens_per_frame} tokens a frame, groups of {vision.group}), "
+                               f"bf16 weights; only the calls of {', '.join(MULTIMODAL_OPS)} are "
+                               f"recorded (the reach describes the target geometry)",
             "index_share": ("the draft layer takes the trunk's last QSA selection for the rows the "
                             "trunk computed" if index_share_honoured() else
                             "NOT honoured by the engine yet: scenarios with index_share trace as "
@@ -344,7 +435,7 @@ class Tracer:
         }
 
     def trace(self, scenario: Scenario, catalog: Catalog, modes: list[Mode]) -> dict[str, ModeTrace]:
-        cfg = ModelConfig.target()
+        cfg = scenario.geometry()
         out: dict[str, ModeTrace] = {}
         runnable = []
         for mode in modes:
@@ -356,6 +447,8 @@ class Tracer:
         if not runnable:
             return out
         calls = forward_calls(scenario, catalog)
+        if scenario.model != "target":   # the target's reach: the tiny model's video ops only
+            calls = [c for c in calls if c.op in MULTIMODAL_OPS]
         for mode in runnable:
             d = Dispatcher(catalog, mode.arch, batch_invariant=mode.batch_invariant,
                            pinned=scenario.engine_config(mode).pinned_variants())

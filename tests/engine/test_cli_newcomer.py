@@ -1,6 +1,7 @@
 """The engine's command line as a first run from the README meets it: a checkpoint path that names
 no file or no checkpoint, the help of every option, the tiny checkpoint's prompt format and its
-END token, and combinations refused before anything loads (impl/model/cli.py)."""
+END token, combinations refused before anything loads, and video input (``--multimodal --frames N``)
+with the committed vision tower or random weights (impl/model/cli.py)."""
 
 from __future__ import annotations
 
@@ -245,7 +246,7 @@ def test_a_checkpoint_of_another_preset_is_refused(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("extra", [["--random-prompts", "-1"], ["--max-new-tokens", "0"],
-                                   ["--stop-token", "3", "--no-stop-token"]])
+                                   ["--stop-token", "3", "--no-stop-token"], ["--frames", "0"]])
 def test_an_option_out_of_range_is_an_argparse_error(extra, capsys):
     with pytest.raises(SystemExit) as e:
         cli.main(["generate", "--random-weights", "--prompt", "a", *extra])
@@ -258,3 +259,76 @@ def test_a_prompt_the_tiny_tokenizer_cannot_read_is_refused(tmp_path, capsys):
     assert cli.main(["generate", "--checkpoint", str(plain), "--prompt", "caf\u00e9", *SMALL]) == 2
     out = capsys.readouterr().out
     assert "impl/tasks/tokenizer.py" in out and "'\u00e9'" in out
+
+
+# ------------------------------------------------------------------ video input
+
+VISION = ROOT / "checkpoints" / "flashnext-tiny-vision.safetensors"
+
+
+@pytest.mark.skipif(not TINY.is_file() or not VISION.is_file() or TINY.stat().st_size < 1_000_000,
+                    reason=f"{cli.TINY_CHECKPOINT} or its vision tower is not in this checkout")
+def test_the_committed_checkpoint_names_the_frame_with_the_square(capsys):
+    """The frame task's prompt (the run after BOS, then \\n?FR=) with the checkpoint's own tower,
+    found beside it: each answer is the frame the line says holds the square."""
+    argv = ["generate", "--checkpoint", str(TINY), "--multimodal", "--frames", "4", "--seed", "1",
+            "--prompt", "\n?FR=", "--prompt", "\n?FR=", "--max-new-tokens", "4", *SMALL]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    for rid in ("req0", "req1"):
+        line = _line(out, rid)
+        square = line.rsplit("the bright square in frame ", 1)[1].rstrip(")")
+        assert f"ended at END (3)  '{square}'  (4 frames," in line, line
+    assert "vision_tower=" in out
+
+
+def test_random_weights_take_frames_and_random_prompts_skip_the_placeholder(capsys):
+    """Random prompts of a multimodal engine leave out the placeholder id (else admission refuses
+    them: 256 ids of 256 hold it about 2 times in 3); the frames run through the tower."""
+    argv = ["generate", "--random-weights", "--multimodal", "--random-prompts", "4",
+            "--prompt-len", "256", "--max-new-tokens", "2", "--max-batch-size", "4",
+            "--max-num-tokens", "512", "--max-seq-len", "512"]
+    assert cli.main(argv) == 0
+    assert "REJECTED" not in capsys.readouterr().out
+    assert cli.main(argv + ["--frames", "2", "--prompt", "hi"]) == 0
+    out = capsys.readouterr().out
+    assert "REJECTED" not in out and "vision_tower=" in out
+    assert all("(2 frames, the bright square in frame 0" in _line(out, f"req{i}") for i in range(5))
+
+
+def test_the_frames_reach_the_output(capsys):
+    """Two seeds give two sets of frames (and random weights): the generations differ; one seed
+    twice gives the same."""
+    def run(seed: int) -> list[int]:
+        assert cli.main(["generate", "--random-weights", "--multimodal", "--frames", "2",
+                         "--prompt", "hi", "--seed", str(seed), "--max-new-tokens", "4", *SMALL]) == 0
+        return _tokens(capsys.readouterr().out)
+
+    assert run(0) == run(0) != run(1)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--frames", "4"], "--frames 4: needs --multimodal"),
+    (["--vision", str(VISION)], f"--vision {VISION}: needs --multimodal"),
+    (["--multimodal", "--frames", "3"],
+     "--frames 3: the tiny model's vision tower takes 2, 4, 6 or 8 frames a request"),
+    (["--multimodal", "--frames", "10"], "--frames 10: the tiny model's vision tower takes"),
+    (["--multimodal", "--vision", "absent.safetensors"], "--vision absent.safetensors: no such file"),
+    (["--multimodal", "--frames", "2", "--draft-length", "2"], "multimodal_without_speculation"),
+])
+def test_an_inconsistent_video_request_is_refused_naming_the_option(extra, message, capsys):
+    assert cli.main(["generate", "--random-weights", "--prompt", "a", *SMALL, *extra]) == 2
+    out = capsys.readouterr().out
+    assert message in out and "req0" not in out, out
+
+
+def test_a_vision_file_that_is_no_tower_and_a_checkpoint_without_one_are_refused(tmp_path, capsys):
+    plain = _random_checkpoint(tmp_path)
+    argv = ["generate", "--multimodal", "--frames", "2", "--prompt", "a", *SMALL]
+    assert cli.main(argv + ["--checkpoint", str(plain)]) == 2
+    out = capsys.readouterr().out
+    assert f"no vision tower beside --checkpoint {plain}" in out and "--vision FILE" in out, out
+    assert cli.main(argv + ["--checkpoint", str(plain), "--vision", str(plain)]) == 2
+    out = capsys.readouterr().out
+    assert "not a vision tower file" in out and "--vision takes a vision tower file" in out, out
+    assert "Traceback" not in out

@@ -105,3 +105,56 @@ def test_a_scenario_naming_the_moe_backend_traces_that_variant_in_every_mode():
     assert moe_variants("torch") == {"cpu": {"torch"}, "sm_90": {"torch"}}
     # without a name each arch's dispatch rules choose, and on sm_90 they choose another variant
     assert moe_variants("auto")["sm_90"] != {"torch"}
+
+
+def test_a_frames_scenario_makes_the_calls_of_the_engines_multimodal_context_step():
+    """Two frame prompts (4 and 8 frames, the run after BOS) submitted and read in one context step:
+    the engine's calls (the tower at submission, then the trunk with the splice and mRoPE
+    positions) and the driver's are the same, op for op and axis value for axis value."""
+    from impl.model.vision import vision_geometry
+    from spec.ops.vision import init_vision_weights
+
+    geo = vision_geometry("tiny")
+    sc = Scenario(name="s", why="frames in a context step", model="tiny", max_num_tokens=64,
+                  prefill=[{"chunk": 22, "context": 22, "frames": 4},
+                           {"chunk": 38, "context": 38, "frames": 8}])
+    config = EngineConfig(model="tiny", max_batch_size=2, max_num_tokens=64, max_seq_len=64,
+                          batch_invariant=True, multimodal=True)
+    vision = init_vision_weights(geo, torch.Generator().manual_seed(0), dtype=torch.bfloat16)
+    engine = Engine(config, init_weights(TINY, seed=0, dtype=torch.bfloat16), vision=vision)
+    engine.dispatcher.start_trace()
+    for i, c in enumerate(sc.prefill):
+        engine.submit(Request(request_id=f"r{i}", max_new_tokens=2,
+                              prompt=c.prompt(geo.tokens_per_frame),
+                              frames=torch.rand(c.frames, 3, 16, 16)))
+    engine.step()
+    engine_calls = engine.dispatcher.stop_trace()
+
+    def calls(cs) -> list:
+        return sorted((c.op, tuple(sorted(dict(c.axes).items()))) for c in cs)
+
+    driver = forward_calls(sc, CATALOG)
+    assert calls(driver) == calls(engine_calls)
+    towers = [dict(c.axes)["frames"] for c in driver if c.op == "vision_tower"]
+    assert towers == [4, 8]
+    assert {dict(c.axes)["rope"] for c in driver if c.op == "qk_norm_rope"} == {"mrope"}
+
+
+def test_the_reach_of_a_frames_scenario_is_its_tower_calls_on_every_mode():
+    sc = Scenario(name="s", why="frames in a context step", model="tiny", max_num_tokens=64,
+                  prefill=[{"chunk": 22, "context": 22, "frames": 4}])
+    traces = TRACER.trace(sc, CATALOG, [Mode("cpu"), Mode("sm_90", True)])
+    for key, t in traces.items():
+        assert t.refused is None, (key, t.refused)
+        assert [(op, ax) for op, _, ax in t.calls] == [
+            ("vision_tower", {"frames": 4, "frame_size": 16, "act_dtype": "bfloat16"})], key
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(prefill=[{"chunk": 22, "context": 22, "frames": 4}]), "the target model has none"),
+    (dict(model="tiny", prefill=[{"chunk": 22, "context": 22, "frames": 3}]), "whole groups of 2"),
+    (dict(model="tiny", prefill=[{"chunk": 10, "context": 10, "frames": 4}]), "cannot hold BOS"),
+])
+def test_a_frames_scenario_the_engine_cannot_serve_is_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Scenario(name="s", why="a frames scenario", **fields)
