@@ -91,8 +91,11 @@ def test_a_mode_the_engine_refuses_is_recorded_with_the_rules_reason():
     traces = TRACER.trace(sc, cut, [Mode("sm_90", True)])
     refused = traces["sm_90/batch_invariant"].refused
     assert "ops_run_on_the_arch" in refused and "of moe runs on sm_90" in refused, refused
-    # the project's catalog runs it
-    assert TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])["sm_90/batch_invariant"].refused is None
+    # the project's catalog runs it on the CPU; on sm_90 its GDN references are declared to fail
+    # their batch-invariance checks, so the mode is refused there by that rule
+    assert TRACER.trace(sc, CATALOG, [Mode("cpu", True)])["cpu/batch_invariant"].refused is None
+    refused = TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])["sm_90/batch_invariant"].refused
+    assert refused.startswith("batch_invariant_references_hold: gdn_decode's spec_lowp"), refused
 
 
 def test_a_scenario_naming_the_moe_backend_traces_that_variant_in_every_mode():
@@ -143,7 +146,7 @@ def test_a_frames_scenario_makes_the_calls_of_the_engines_multimodal_context_ste
 def test_the_reach_of_a_frames_scenario_is_its_tower_calls_on_every_mode():
     sc = Scenario(name="s", why="frames in a context step", model="tiny", max_num_tokens=64,
                   prefill=[{"chunk": 22, "context": 22, "frames": 4}])
-    traces = TRACER.trace(sc, CATALOG, [Mode("cpu"), Mode("sm_90", True)])
+    traces = TRACER.trace(sc, CATALOG, [Mode("cpu"), Mode("cpu", True), Mode("sm_90")])
     for key, t in traces.items():
         assert t.refused is None, (key, t.refused)
         assert [(op, ax) for op, _, ax in t.calls] == [
