@@ -308,13 +308,19 @@ def test_the_frames_reach_the_output(capsys):
 
 
 @pytest.mark.parametrize("extra, message", [
-    (["--frames", "4"], "--frames 4: needs --multimodal"),
-    (["--vision", str(VISION)], f"--vision {VISION}: needs --multimodal"),
-    (["--multimodal", "--frames", "3"],
-     "--frames 3: the tiny model's vision tower takes 2, 4, 6 or 8 frames a request"),
-    (["--multimodal", "--frames", "10"], "--frames 10: the tiny model's vision tower takes"),
-    (["--multimodal", "--vision", "absent.safetensors"], "--vision absent.safetensors: no such file"),
-    (["--multimodal", "--frames", "2", "--draft-length", "2"], "multimodal_without_speculation"),
+    pytest.param(["--frames", "4"], "--frames 4: needs --multimodal", id="frames-alone"),
+    # an id without the checkout's path: the item universe is the same on every machine
+    pytest.param(["--vision", str(VISION)], f"--vision {VISION}: needs --multimodal",
+                 id="vision-alone"),
+    pytest.param(["--multimodal", "--frames", "3"],
+                 "--frames 3: the tiny model's vision tower takes 2, 4, 6 or 8 frames a request",
+                 id="odd-frames"),
+    pytest.param(["--multimodal", "--frames", "10"],
+                 "--frames 10: the tiny model's vision tower takes", id="too-many-frames"),
+    pytest.param(["--multimodal", "--vision", "absent.safetensors"],
+                 "--vision absent.safetensors: no such file", id="vision-missing"),
+    pytest.param(["--multimodal", "--frames", "2", "--draft-length", "2"],
+                 "multimodal_without_speculation", id="with-speculation"),
 ])
 def test_an_inconsistent_video_request_is_refused_naming_the_option(extra, message, capsys):
     assert cli.main(["generate", "--random-weights", "--prompt", "a", *SMALL, *extra]) == 2
