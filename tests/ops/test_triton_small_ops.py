@@ -106,6 +106,19 @@ def test_triton_logits_cast_is_bitwise(value_set, rows, vocab):
 
 
 @pytest.mark.premerge
+@pytest.mark.certify_property("logits_cast")
+@pytest.mark.parametrize("n", [0, 1, 2])
+def test_triton_logits_cast_writes_launches_of_zero_one_and_two_elements(n):
+    """The launches no cell makes: an empty one writes nothing and raises nothing, a one- and a
+    two-element one write every element (the output is poisoned before)."""
+    logits = torch.tensor([-1.5, 3.0e-39], dtype=torch.bfloat16)[:n]
+    out = torch.full((n,), float("nan"))
+    triton_logits_cast.logits_cast(logits, logits_fp32=out)
+    v = bitwise("logits_fp32", out, mtp.logits_cast(logits))
+    assert v.passed, v.problems
+
+
+@pytest.mark.premerge
 def test_planted_logits_cast_bug_is_caught():
     logits = _every_pattern()
     out = torch.full(logits.shape, float("nan"))
