@@ -266,6 +266,22 @@ def test_gates_are_a_decay_and_a_probability(seed, scale):
     assert torch.equal(gg, ref32[0]) and torch.equal(bb, ref32[1])
 
 
+@pytest.mark.certify_property("gdn_gates")
+def test_gates_of_a_batch_of_sequences_are_those_of_its_rows():
+    """a, b [B, T, HV] (the signature's leading dims): the torch gates and the spec's equal their
+    results on the same rows flattened to [B * T, HV], bit for bit (each row is its own launch)."""
+    gen = torch.Generator().manual_seed(7)
+    a, b = _rand(gen, 2, 3, 6, scale=4.0), _rand(gen, 2, 3, 6, scale=4.0)
+    A_log, dt_bias = _rand(gen, 6), _rand(gen, 6)
+    g3, b3 = torch.empty(2, 3, 6), torch.empty(2, 3, 6)
+    torch_ops.gdn_gates(a, b, A_log, dt_bias, g=g3, beta=b3)
+    g2, b2 = torch.empty(6, 6), torch.empty(6, 6)
+    torch_ops.gdn_gates(a.reshape(6, 6), b.reshape(6, 6), A_log, dt_bias, g=g2, beta=b2)
+    assert torch.equal(g3.reshape(6, 6), g2) and torch.equal(b3.reshape(6, 6), b2)
+    s3, t3 = gdn.gdn_gates(a, b, A_log, dt_bias)
+    assert torch.equal(s3.reshape(6, 6), g2) and torch.equal(t3.reshape(6, 6), b2)
+
+
 @pytest.mark.certify_guard("gdn_gates")
 def test_guard_gates_at_zero():
     """a + dt_bias = 0 and A_log = 0: g = -softplus(0) = -ln 2; b = 0: beta = 1/2."""

@@ -243,6 +243,18 @@ def test_hc_pre_guard() -> None:
 
 
 @pytest.mark.certify_property("hc_up_projection")
+def test_up_projection_on_meta_tensors_has_the_real_shapes_and_dtypes() -> None:
+    """The reach tracer runs the spec on meta tensors (shapes only): that path must give what the
+    real one gives, shape and dtype."""
+    g = _gen(3)
+    real = (_randn(g, 5, N, 64, dtype=torch.float32), _randn(g, 5, 64, dtype=torch.bfloat16),
+            _birkhoff_matrix(g, 5, N).float(), torch.sigmoid(_randn(g, 5, N, dtype=torch.float32)))
+    want = hc_up_projection(*real)
+    got = hc_up_projection(*(t.to("meta") for t in real))
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+
+
+@pytest.mark.certify_property("hc_up_projection")
 @given(seed=seeds, T=tokens, C=channels, dtype=dtypes)
 def test_up_projection_property(seed: int, T: int, C: int, dtype: torch.dtype) -> None:
     g = _gen(seed)

@@ -418,6 +418,18 @@ def select_cases(draw: st.DrawFn) -> dict:
 
 
 @pytest.mark.certify_property("qsa_select")
+def test_complete_blocks_by_hand_and_the_columns_a_row_needs() -> None:
+    """Block b is complete at t when 32(b+1) - 1 <= t (docs/spec.md, "QSA" item 4): none before
+    t = 31, one from 31 to 62, two at 63. A row needs a column for each complete block."""
+    assert [num_complete_blocks(t) for t in (0, 30, 31, 32, 62, 63, 64)] == [0, 0, 1, 1, 1, 2, 2]
+    with pytest.raises(ValueError, match="position 31 has 1 complete blocks but only 0 columns"):
+        select_row(torch.zeros(0), 31)
+    with pytest.raises(ValueError, match="position 64 has 2 complete blocks but only 1 columns"):
+        select_row(torch.zeros(1), 64)
+    assert select_row(torch.zeros(2), 64) == [0, 1, 2]
+
+
+@pytest.mark.certify_property("qsa_select")
 @given(select_cases())
 def test_qsa_select_properties(case: dict) -> None:
     """Matches the (score, index)-descending top-k statement; ties go to the highest block index;
