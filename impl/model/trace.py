@@ -194,16 +194,13 @@ class Scenario(ScenarioBase):
                             gdn_commit=self.gdn_commit, moe_backend=self.moe_backend,
                             multimodal=self.multimodal)
 
-    def geometry(self) -> ModelConfig:
-        return ModelConfig.tiny() if self.model == "tiny" else ModelConfig.target()
-
 
 # ------------------------------------------------------------------------------------- the forward
 
 
 @lru_cache(maxsize=2)
 def _meta_model(model: str) -> tuple[ModelConfig, Weights]:
-    cfg = ModelConfig.tiny() if model == "tiny" else ModelConfig.target()
+    cfg = EngineConfig(model=model).model_geometry()
     return cfg, init_weights(cfg, dtype=torch.bfloat16, device=META)
 
 
@@ -435,7 +432,7 @@ class Tracer:
         }
 
     def trace(self, scenario: Scenario, catalog: Catalog, modes: list[Mode]) -> dict[str, ModeTrace]:
-        cfg = scenario.geometry()
+        cfg, _ = _meta_model(scenario.model)
         out: dict[str, ModeTrace] = {}
         runnable = []
         for mode in modes:
