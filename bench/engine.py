@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.engine import Engine  # noqa: E402
-from impl.model.engine_config import EngineConfig  # noqa: E402
+from impl.model.engine_config import EngineConfig, SpeculativeConfig  # noqa: E402
 from spec.config import ModelConfig  # noqa: E402
 from spec.model import init_weights  # noqa: E402
 from spec.ops.kv_storage import NVFP4_BLOCK  # noqa: E402
@@ -102,17 +102,21 @@ def step_tokens(rows: int, prompt_len: int) -> int:
 
 
 def _engine(cfg, weights, args, rows: int, mode: str, prompt_len: int, new: int) -> Engine:
+    k = args.draft_length
     config = EngineConfig(model=args.model, device=args.device, kv_cache_dtype=args.kv,
                           state_dtype=args.state, max_batch_size=rows,
-                          max_num_tokens=step_tokens(rows, prompt_len),
-                          max_seq_len=prompt_len + new + 8, **MODES[mode])
+                          max_num_tokens=max(step_tokens(rows, prompt_len), rows * (k + 1)),
+                          max_seq_len=prompt_len + new + 8 + 2 * k,
+                          speculative=SpeculativeConfig(draft_length=k) if k else None,
+                          **MODES[mode])
     return Engine(config, weights, cfg=cfg)
 
 
 @dataclass
 class StepTimes:
     prefill: float                 # seconds of the steps that read prompts (context / mixed)
-    decode: list[float]            # seconds of each full decode step: every request decoding
+    decode: list[float]            # seconds of each full generation step (decode, or verify with
+                                   # its commit and draft passes): every request generating
     partial: int = 0               # decode steps with fewer rows (the others prefilling or done)
     captures: list[float] = field(default_factory=list)   # decode steps that captured a graph
 
@@ -141,7 +145,7 @@ def timed_run(engine: Engine, requests: list[Request]) -> StepTimes:
         engine.step()
         dt_step = time.perf_counter() - t0
         kind = next(k for k, n in engine.step_kinds.items() if n != kinds.get(k, 0))
-        if kind != "decode":
+        if kind not in ("decode", "verify"):
             times.prefill += dt_step
         elif engine.graphs is not None and len(engine.graphs.graphs) > captured:
             times.captures.append(dt_step)
@@ -212,6 +216,10 @@ def main() -> None:
                     help="full decode steps in the torch mode's runs (it is the slow one)")
     ap.add_argument("--peer-prompt-len", type=int, default=64,
                     help="prompt tokens in the torch mode's runs")
+    ap.add_argument("--draft-length", type=int, default=0,
+                    help="MTP speculation at this draft length: the generation step is a verify "
+                         "step (its trunk graphed in the graphs mode) with its commit and draft "
+                         "passes; no floor is computed for it")
     ap.add_argument("--out", default="reports/bench")
     ap.add_argument("--profile", action="store_true",
                     help="also write engine_profile.md: the GPU kernels of a decode step, by name "
@@ -244,8 +252,10 @@ def main() -> None:
     else:
         bw = None
         where = f"CPU, torch {torch.__version__}; weights drawn in {drawn:.1f} s (no floor on the CPU)"
+    spec = (f", MTP draft length {args.draft_length} (a step: verify, commit, draft passes)"
+            if args.draft_length else "")
     lines = [f"# Engine decode, {args.model} geometry with {cfg.num_layers} layers "
-             f"({dt.date.today()})", "", where + ".", "",
+             f"({dt.date.today()})", "", where + spec + ".", "",
              f"Random prompts, greedy, KV {args.kv}, state {args.state}. Per batch and mode one "
              "run of B requests submitted together, each step timed on the host: prefill s = the "
              "steps that read prompts (chunks of at most 8192 tokens; requests that finished their "
@@ -293,8 +303,8 @@ def main() -> None:
                                  f"tokens a request {sorted(produced.values())} of {new}")
             step = times.median_decode()
             steps[(rows, mode)] = step
-            floor = f"{total / bw * 1e3:.2f}" if bw else "-"
-            share = f"{100 * total / bw / step:.1f} %" if bw else "-"
+            floor = f"{total / bw * 1e3:.2f}" if bw and not args.draft_length else "-"
+            share = f"{100 * total / bw / step:.1f} %" if bw and not args.draft_length else "-"
             lines.append(f"| {rows} | {mode} | {plen} | {times.prefill:.2f} | {rows / step:.1f} | "
                          f"{step * 1e3:.2f} | {times.spread()} | {len(times.decode)} | "
                          f"{total / 1e6:.0f} | {floor} | {share} | "
@@ -314,8 +324,12 @@ def main() -> None:
     ratios = [f"- batch {rows}: {mode} {steps[(rows, 'torch')] / steps[(rows, mode)]:.1f}x "
               "faster than torch" for rows in batches for mode in ("eager", "graphs")
               if (rows, mode) in steps and (rows, "torch") in steps]
+    ratios += [f"- batch {rows}: graphs {steps[(rows, 'eager')] / steps[(rows, 'graphs')]:.1f}x "
+               "faster than eager" for rows in batches
+               if (rows, "eager") in steps and (rows, "graphs") in steps]
     if ratios:
-        lines += ["", "Decode step against the torch-only engine (its step over this one's):", ""]
+        lines += ["", "Generation step against the torch-only engine or the eager one (its step over "
+                  "this one's):", ""]
         lines += ratios
     context = args.prompt_len + args.new_tokens // 2
     lines += ["", "Bytes a decode step must move, by part (MB), at the largest batch:", ""]

@@ -43,7 +43,7 @@ if [ "$part" = gates ]; then
 fi
 
 t0=$(date +%s)
-timeout 300 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py "$@" \
+timeout 430 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py "$@" \
     > "$out/gpu_tests.log" 2>&1
 echo "GPU engine tests: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/gpu_tests.log"
 tail -15 "$out/gpu_tests.log"

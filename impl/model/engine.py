@@ -25,8 +25,9 @@ vision tower once, when it is submitted; each context step splices the tower's r
 placeholder rows it reads, and every row of a step holding a frame request rotates by [3, N] mRoPE
 positions (the prompt's, then the sequence index plus the request's delta).
 
-With ``cuda_graphs`` a decode step (every row a decode row) replays a captured graph of its batch
-bucket (impl/model/graphs.py); other steps run eagerly.
+With ``cuda_graphs`` the trunk of a decode step (every row a decode row) or of a verify step
+replays a captured graph of its batch bucket (impl/model/graphs.py); other steps, and what follows
+a verify step's trunk (acceptance, commit, the draft layer), run eagerly.
 
 Disaggregated serving (impl/model/disagg/) moves a request between engines after its prompt:
 ``detach`` frees its slot on the context engine, ``attach`` gives it one on the generation engine,
@@ -49,7 +50,7 @@ from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
 from impl.model.engine_config import (EngineConfig, RoutePlan, default_context, engine_memory,
                                       route)
-from impl.model.graphs import DecodeGraphs
+from impl.model.graphs import StepGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import Ops
 from impl.model.placement import HostMapped, with_host_ple_tables
@@ -192,7 +193,8 @@ class Engine:
         self.cache = EngineCache.allocate(
             self.cfg, config.cache_slots, config.max_seq_len, weights.dtype,
             config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
-        self.graphs = (DecodeGraphs(self.model, self.cache, config.max_batch_size)
+        self.graphs = (StepGraphs(self.model, self.cache, config.max_batch_size,
+                                  rows_per_request=self.k + 1 if self.k else 1)
                        if config.cuda_graphs else None)
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}   # slot -> sequence
@@ -324,7 +326,7 @@ class Engine:
             row += n
         splice, rope = step_inputs([(seq.frames, mode, sp.start, n)
                                     for (seq, mode, n), sp in zip(plan, spans)])
-        if self.graphs is not None and all(mode == "decode" for _, mode, _ in plan):
+        if self.graphs is not None and {mode for _, mode, _ in plan} in ({"decode"}, {"verify"}):
             out = self.graphs.step(spans, ids)
         else:
             rows = StepRows.build(spans)
@@ -452,7 +454,7 @@ class Engine:
         slots = [seq.slot for seq, _, _ in plan]
         self.model.commit_gdn(rec, self.cache, slots, num_accepted)
         hist = self.model.ops.rollback_commit(
-            {"h": torch.stack([rec.ple_history[s] for s in slots])}, num_accepted)
+            {"h": rec.ple_history[:len(slots)]}, num_accepted)
         for r, (seq, _, _) in enumerate(plan):
             slot, sp = seq.slot, spans[r]
             keep = sp.start + int(num_accepted[r])

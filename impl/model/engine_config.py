@@ -602,8 +602,9 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
     if c.device != "cuda":
         return f"cuda_graphs needs device 'cuda' (the configuration's device is {c.device!r})"
     if c.speculative is not None:
-        return ("cuda_graphs captures decode steps only: verify steps read the host (the rows "
-                "kernel groups its tiles there); turn speculation off or cuda_graphs off")
+        return ("cuda_graphs captures decode steps only on cuda: a verify step's sparse attention "
+                "(qsa_sparse_gqa triton_rows) reads its tile count on the host, which a graph cannot "
+                "capture; turn speculation off or cuda_graphs off")
     if c.batch_invariant or c.torch_only:
         what = "batch-invariant mode" if c.batch_invariant else "torch_only"
         return (f"cuda_graphs is captured over the fast variants, not checked with {what}: turn "
@@ -785,7 +786,7 @@ RULES: list[Rule] = [
     Rule("numerics_tier_runs_on_the_arch",
          "Every op given a numerics tier declares that tier, and a variant of the tier runs on the "
          "arch (in batch-invariant mode, a reference variant of it).", _numerics_tiers),
-    Rule("cuda_graphs_capture_decode_on_cuda",
+    Rule("cuda_graphs_capture_on_cuda",
          "CUDA graphs run on cuda, for decode steps without speculation, outside batch-invariant "
          "mode and torch_only.", _cuda_graphs),
     Rule("ple_host_tables_on_cuda",

@@ -1,18 +1,21 @@
-"""CUDA graphs of the trunk's decode step: captured once per (batch bucket, table width), replayed.
+"""CUDA graphs of the trunk's decode and verify steps: captured once per (rows a request, batch
+bucket, table width), replayed.
 
-A decode step of n requests runs in the graph of the smallest batch bucket B >= n and the smallest
-table width (a power of two of blocks, at least ``MIN_WIDTH``) that holds the step's longest
-request. Its B - n padding rows are tokens of a scratch request: the engine's spare slot
-(``EngineCache`` holds one slot more than ``max_batch_size``, never given to a request), padding row
-j at position j (its pages are held from the start). Padding rows write that slot's state, conv
-window and pages only, so the requests' own state is never touched by them; their results are
-discarded. They share the scratch slot's GDN state, so what they leave there is not defined (and
-not read by any request).
+A step of n requests of T rows each (T = 1: decode; T = K + 1: an MTP verify step) runs in the graph
+of the smallest batch bucket B >= n and the smallest table width (a power of two of blocks, at least
+``MIN_WIDTH``) that holds the step's longest request. Its B - n padding requests are rows of a
+scratch request: the engine's spare slot (``EngineCache`` holds one slot more than
+``max_batch_size``, never given to a request), padding request j at positions j*T .. j*T + T - 1
+(its pages are held from the start). Padding rows write that slot's state, conv window and pages
+only, so the requests' own state is never touched by them; their results are discarded. They share
+the scratch slot's GDN state, so what they leave there is not defined (and not read by any request).
 
-The graph reads its inputs from static device buffers, filled before each replay from the host:
-the ids, slots, positions and lengths of the rows, each row's n-gram history, and the block table's
-first ``width`` columns. Everything the step computes from them (``Model.trunk_forward``) is in the
-graph; the host side of the step (``Model.advance``: histories, lengths) runs after the replay.
+The graph reads its inputs from one static device buffer, filled before each replay from a pinned
+host buffer in one copy: the ids, slots, positions and lengths of the rows, each request's n-gram
+history, and the block table's first ``width`` columns. Everything the step computes from them
+(``Model.trunk_forward``) is in the graph; the host side of the step (``Model.advance``: histories,
+lengths; for a verify step the n-gram history after each row that commit keeps) runs after the
+replay. What follows a verify step (greedy acceptance, commit, the draft layer) runs eagerly.
 
 What a replay equals. At a full bucket (n = B) and the width the eager step would use, the replay
 launches the kernels the eager step launches, on the same inputs: its logits are the eager step's
@@ -24,12 +27,13 @@ bucket's batch size and at ``width`` blocks of context.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from impl.model.cache import PAGE, EngineCache
-from impl.model.model import Model, Span, StepOutput, StepRows
+from impl.model.model import Model, Span, StepOutput, StepRows, VerifyRecord, verify_histories
 
 # Reference variants a decode step may capture: tensor ops only, no value read on the host.
 CAPTURABLE_REFERENCES = frozenset({"rmsnorm"})
@@ -41,10 +45,11 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128)
 
 
 def uncapturable_calls(config, ctx) -> list[str]:
-    """The ``op::variant`` pairs a decode step of ``config.max_batch_size`` rows (at its
-    ``max_seq_len``) dispatches on ``ctx.arch`` that a graph cannot capture: reference variants
+    """The ``op::variant`` pairs the trunk of a step the engine captures (a decode step of
+    ``config.max_batch_size`` rows, or with speculation a verify step of as many requests), at its
+    ``max_seq_len``, dispatches on ``ctx.arch`` that a graph cannot capture: reference variants
     outside ``CAPTURABLE_REFERENCES`` and the ``HOST_READING_KERNELS``. Traced on meta weights of
-    the served geometry (impl/model/trace.py), so the rule ``cuda_graphs_capture_decode_on_cuda``
+    the served geometry (impl/model/trace.py), so the rule ``cuda_graphs_capture_on_cuda``
     refuses before anything is built."""
     from impl.model.dispatch import Dispatcher  # noqa: PLC0415
     from impl.model.ops import KV_CODEC_OPS  # noqa: PLC0415
@@ -52,13 +57,21 @@ def uncapturable_calls(config, ctx) -> list[str]:
     from spec.model import init_weights  # noqa: PLC0415
 
     weights = init_weights(ctx.model, seed=0, dtype=torch.bfloat16, device="meta")
-    step = Scenario(name="decode_graph", why="the decode step a graph captures",
-                    decode=(Requests(requests=config.max_batch_size, context=config.max_seq_len),),
-                    kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
-                    max_num_tokens=max(config.max_batch_size, 1))
+    requests = (Requests(requests=config.max_batch_size, context=config.max_seq_len),)
+    spec = config.speculative
+    if spec is None:
+        step = Scenario(name="decode_graph", why="the decode step a graph captures",
+                        decode=requests, kv_dtype=config.kv_cache_dtype,
+                        state_dtype=config.state_dtype, max_num_tokens=max(config.max_batch_size, 1))
+    else:
+        step = Scenario(name="verify_graph", why="the verify step a graph captures",
+                        verify=requests, draft_length=spec.draft_length,
+                        index_share=spec.index_share, gdn_commit=config.gdn_commit,
+                        kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
+                        max_num_tokens=config.max_batch_size * (spec.draft_length + 1))
     d = Dispatcher(ctx.catalog, ctx.arch, numerics=config.numerics,
                    pinned=config.pinned_variants())
-    calls = forward_calls(step, ctx.catalog, ctx.model, weights)
+    calls = forward_calls(step, ctx.catalog, ctx.model, weights, trunk_only=True)
     chosen = [(call.op, d.choose(call.op, **dict(call.axes))) for call in calls]
     # The trace runs the reference KV append, which calls the codec ops; a kernel append
     # quantises inside and calls none.
@@ -87,33 +100,78 @@ def table_width(context: int, max_width: int) -> int:
     return min(width, max_width)
 
 
+class CudaCapture:
+    """Captures a step's device work into a CUDA graph, after two eager runs on a side stream that
+    compile and tune every kernel; all graphs of one engine share a memory pool."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.pool = torch.cuda.graph_pool_handle()
+
+    @staticmethod
+    def host_buffer(t: torch.Tensor) -> torch.Tensor:
+        return t.pin_memory()
+
+    def capture(self, forward: Callable[[], StepOutput]) -> Callable[[], StepOutput]:
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = forward()
+
+        def replay() -> StepOutput:
+            graph.replay()
+            return out
+        return replay
+
+
+class EagerCapture:
+    """Runs the step's forward again at each replay, on the same static inputs: the step graphs'
+    inputs, padding and outputs exercised on a machine without CUDA (tests)."""
+
+    @staticmethod
+    def host_buffer(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def capture(forward: Callable[[], StepOutput]) -> Callable[[], StepOutput]:
+        return forward
+
+
 @dataclass
 class _Graph:
-    graph: torch.cuda.CUDAGraph
-    rows: StepRows                    # the static rows (device tensors) the graph reads
-    ids: torch.Tensor                 # static [B] int64
-    out: StepOutput | None            # static outputs the graph writes
-    staged: torch.Tensor              # pinned host [6, B]: ids, slots, positions, lengths, history
-    staged_table: torch.Tensor        # pinned host [slots, width] int32
+    replay: Callable[[], StepOutput] | None
+    rows: StepRows                    # the static rows (views of ``inputs``) the graph reads
+    ids: torch.Tensor                 # static [B*T] int64 (a view of ``inputs``)
+    inputs: torch.Tensor              # static device [4*B*T + 2*B] int64
+    staged: torch.Tensor              # host copy of ``inputs`` (pinned under CUDA)
+    staged_table: torch.Tensor        # host [slots, width] int32 (pinned under CUDA)
 
 
-class DecodeGraphs:
-    """The captured decode steps of one engine (its model and cache), made on first use."""
+class StepGraphs:
+    """The captured decode and verify steps of one engine (its model and cache), made on first
+    use."""
 
-    def __init__(self, model: Model, cache: EngineCache, max_batch_size: int):
+    def __init__(self, model: Model, cache: EngineCache, max_batch_size: int,
+                 rows_per_request: int = 1, capture: CudaCapture | EagerCapture | None = None):
         if cache.pages.slots != max_batch_size + 1:
-            raise ValueError("decode graphs need the cache's spare slot (max_batch_size + 1 slots)")
+            raise ValueError("step graphs need the cache's spare slot (max_batch_size + 1 slots)")
         self.model = model
         self.cache = cache
         self.scratch = max_batch_size
         self.buckets = batch_buckets(max_batch_size)
         self.device = model.w.device
-        self.pool = torch.cuda.graph_pool_handle()
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.capturer = capture if capture is not None else CudaCapture(self.device)
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.replays = 0
-        # Padding row j stores its token at position j of the scratch slot: no two rows of a
-        # launch write one KV slot.
-        self.padding_positions = min(self.buckets[-1], cache.pages.pages_per_slot * PAGE)
+        # Padding request j stores its T tokens at positions j*T .. of the scratch slot: no two
+        # rows of a launch write one KV slot.
+        self.padding_positions = min(self.buckets[-1] * rows_per_request,
+                                     cache.pages.pages_per_slot * PAGE)
         cache.assign(self.scratch)
         cache.ensure_pages(self.scratch, self.padding_positions)
 
@@ -121,75 +179,88 @@ class DecodeGraphs:
         for b in self.buckets:
             if b >= n:
                 return b
-        raise ValueError(f"{n} decode rows exceed the largest bucket {self.buckets[-1]}")
+        raise ValueError(f"{n} requests exceed the largest bucket {self.buckets[-1]}")
+
+    def _padding_start(self, j: int, T: int) -> int:
+        start = j * T
+        return start if start + T <= self.padding_positions else 0
 
     # ------------------------------------------------------------------ filling the inputs
 
     def _fill(self, g: _Graph, spans: list[Span], ids: list[int]) -> None:
-        """The static inputs of ``g`` for ``spans`` (padding rows after them), in two copies from
-        pinned host buffers (the previous replay's outputs have been read by then)."""
-        B, n = g.ids.shape[0], len(spans)
-        cache, host = self.cache, g.staged
-        host[0, n:] = 0
-        host[1, n:] = self.scratch
-        host[2, n:] = torch.arange(B - n) % self.padding_positions
-        host[4:6, n:] = self.model.cfg.pad_id
-        if n:
-            host[0, :n] = torch.tensor(ids, dtype=torch.int64)
-            host[1, :n] = torch.tensor([sp.slot for sp in spans], dtype=torch.int64)
-            host[2, :n] = torch.tensor([sp.start for sp in spans], dtype=torch.int64)
-            host[4:6, :n] = cache.ple_history[host[1, :n]].T
-        host[3] = host[2] + 1                       # each row's length after the step
+        """The static inputs of ``g`` for ``spans`` (padding requests after them), in two copies
+        from pinned host buffers (the previous replay's outputs have been read by then)."""
+        B, n, T = g.rows.span_history.shape[0], len(spans), g.rows.spans[0].rows
+        N = B * T
+        host = g.staged
+        rows = host[:4 * N].view(4, N)               # ids, slots, positions, lengths
+        hist = host[4 * N:].view(B, 2)
+        starts = [sp.start for sp in spans] + [self._padding_start(j, T) for j in range(n, B)]
+        slots = [sp.slot for sp in spans] + [self.scratch] * (B - n)
+        start = torch.tensor(starts, dtype=torch.int64)
+        rows[0, :n * T] = torch.tensor(ids, dtype=torch.int64)
+        rows[0, n * T:] = 0
+        rows[1] = torch.tensor(slots, dtype=torch.int64).repeat_interleave(T)
+        rows[2] = (start[:, None] + torch.arange(T)).flatten()
+        rows[3] = (start + T).repeat_interleave(T)
+        hist[:n] = self.cache.ple_history[torch.tensor(slots[:n], dtype=torch.int64)]
+        hist[n:] = self.model.cfg.pad_id
         width = g.rows.table.shape[1]
-        g.staged_table.copy_(cache.pages.block_table[:, :width])
-        dev = host.to(self.device, non_blocking=True)
-        g.ids.copy_(dev[0])
-        g.rows.seq_ids.copy_(dev[1])
-        g.rows.positions.copy_(dev[2])
-        g.rows.context_lens.copy_(dev[3])
-        g.rows.ple_history.copy_(dev[4:6].T)
+        g.staged_table.copy_(self.cache.pages.block_table[:, :width])
+        g.inputs.copy_(host, non_blocking=True)
         g.rows.table.copy_(g.staged_table, non_blocking=True)
 
     # ------------------------------------------------------------------ capture
 
-    def _capture(self, B: int, width: int) -> _Graph:
-        dev = self.device
-        zeros = lambda *shape, dtype=torch.int64: torch.zeros(*shape, dtype=dtype, device=dev)  # noqa: E731
-        spans = [Span(self.scratch, r, r + 1, 0, "decode") for r in range(B)]
-        rows = StepRows("decode", spans, zeros(B), zeros(B), zeros(B), width * PAGE,
-                        table=zeros(self.cache.pages.slots, width, dtype=torch.int32),
-                        ple_history=zeros(B, 2))
-        g = _Graph(torch.cuda.CUDAGraph(), rows, zeros(B), None,
-                   torch.zeros(6, B, dtype=torch.int64).pin_memory(),
-                   torch.zeros(self.cache.pages.slots, width, dtype=torch.int32).pin_memory())
-        self._fill(g, [], [])                       # every row a padding row: the scratch slot
-        host_ids = torch.zeros(B, dtype=torch.int64)
-        side = torch.cuda.Stream(dev)
-        side.wait_stream(torch.cuda.current_stream(dev))
-        with torch.cuda.stream(side):               # compiles and tunes every kernel first
-            for _ in range(2):
-                self.model.trunk_forward(host_ids, g.ids, rows, self.cache)
-        torch.cuda.current_stream(dev).wait_stream(side)
-        with torch.cuda.graph(g.graph, pool=self.pool):
-            g.out = self.model.trunk_forward(host_ids, g.ids, rows, self.cache)
-        self.graphs[(B, width)] = g
+    def _capture(self, T: int, B: int, width: int) -> _Graph:
+        dev, N = self.device, B * T
+        mode = "decode" if T == 1 else "verify"
+        spans = [Span(self.scratch, j * T, (j + 1) * T, self._padding_start(j, T), mode)
+                 for j in range(B)]
+        inputs = torch.zeros(4 * N + 2 * B, dtype=torch.int64, device=dev)
+        seq_ids, positions, lengths = (inputs[i * N:(i + 1) * N] for i in (1, 2, 3))
+        hist = inputs[4 * N:].view(B, 2)
+        rows = StepRows(mode, spans, seq_ids, positions, lengths, width * PAGE,
+                        table=torch.zeros(self.cache.pages.slots, width, dtype=torch.int32,
+                                          device=dev),
+                        ple_history=hist if T == 1 else None, span_history=hist)
+        host = self.capturer.host_buffer
+        g = _Graph(None, rows, inputs[:N], inputs,
+                   host(torch.zeros(4 * N + 2 * B, dtype=torch.int64)),
+                   host(torch.zeros(self.cache.pages.slots, width, dtype=torch.int32)))
+        self._fill(g, [], [])                       # every request a padding one: the scratch slot
+        host_ids = torch.zeros(N, dtype=torch.int64)
+        g.replay = self.capturer.capture(
+            lambda: self.model.trunk_forward(host_ids, g.ids, rows, self.cache))
+        self.graphs[(T, B, width)] = g
         return g
 
     # ------------------------------------------------------------------ a step
 
     def step(self, spans: list[Span], ids: list[int]) -> StepOutput:
-        """One decode step of ``spans`` (one row each, ``ids`` their tokens) by graph replay. The
-        logits and hidden rows returned are views of the graph's static outputs, valid until the
-        next replay."""
-        if any(sp.mode != "decode" or sp.rows != 1 for sp in spans):
-            raise ValueError("a decode graph runs one decode row per request")
+        """One decode step (one row a request) or verify step (T rows a request) of ``spans``
+        (``ids`` their tokens) by graph replay. The logits, hidden rows, selection and record
+        returned are views of the graph's static outputs, valid until the next replay."""
+        modes = {sp.mode for sp in spans}
+        T = spans[0].rows if spans else 1
+        if modes == {"decode"} and T != 1 or modes not in ({"decode"}, {"verify"}) or \
+                any(sp.rows != T for sp in spans) or (modes == {"verify"}) != (T > 1):
+            raise ValueError("a step graph runs decode rows (one a request) or verify rows (the "
+                             "same number a request, more than one)")
         n = len(spans)
         B = self.bucket(n)
-        context = max(sp.start + 1 for sp in spans)
+        context = max(sp.start + sp.rows for sp in spans)
         width = table_width(context, self.cache.pages.pages_per_slot)
-        g = self.graphs.get((B, width)) or self._capture(B, width)
+        g = self.graphs.get((T, B, width)) or self._capture(T, B, width)
         self._fill(g, spans, ids)
-        g.graph.replay()
+        out = g.replay()
         self.replays += 1
-        Model.advance(torch.tensor(ids, dtype=torch.int64), spans, self.cache)
-        return StepOutput(g.out.logits[:n], g.out.hidden[:n], logit_rows=None)
+        host_ids = torch.tensor(ids, dtype=torch.int64)
+        record = out.record
+        if record is not None:                      # the host side of the record: this step's
+            record = VerifyRecord(record.states, record.inputs, record.windows,
+                                  verify_histories(host_ids, spans, self.cache))
+        Model.advance(host_ids, spans, self.cache)
+        m = n * T
+        selection = out.selection[:m] if out.selection is not None else None
+        return StepOutput(out.logits[:m], out.hidden[:m], record, selection, logit_rows=None)

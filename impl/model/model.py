@@ -60,9 +60,10 @@ class StepRows:
     """The rows of one step (int64 [N]): slot, absolute position, the request's length after the
     step; and ``context``, the longest of those lengths (a host int: it sizes the block table the
     QSA ops read). Built on the host (``build``); a captured step (impl/model/graphs.py) holds them
-    on the device instead, with ``table`` (the device block table of the step's width) and
-    ``ple_history`` (each row's n-gram history [N, 2], rows of one token only), so that its forward
-    reads no host value."""
+    on the device instead, with ``table`` (the device block table of the step's width),
+    ``ple_history`` (each row's n-gram history [N, 2], spans of one row only) and ``span_history``
+    (each span's request history before the step [S, 2], spans of several rows), so that its
+    forward reads no host value."""
 
     kind: str  # the launch kind QSA cells name: decode | verify | prefill | mixed
     spans: list[Span]
@@ -72,6 +73,7 @@ class StepRows:
     context: int
     table: torch.Tensor | None = None
     ple_history: torch.Tensor | None = None
+    span_history: torch.Tensor | None = None
     # [3, N] rotary positions of a step holding a frame prompt (impl/model/vision.py); None: the
     # rows rotate by ``positions``
     rope_positions: torch.Tensor | None = None
@@ -103,8 +105,8 @@ def step_kind(spans: list[Span]) -> str:
 
 @dataclass(frozen=True)
 class GdnRows:
-    """One request's verify rows as one GDN layer's recurrence reads them: q, k [T, HK, K]; v, z
-    [T, HV, V]; a, b [T, HV]."""
+    """A verify step's rows as one GDN layer's recurrence reads them, per request: q, k
+    [R, T, HK, K]; v, z [R, T, HV, V]; a, b [R, T, HV]."""
 
     q: torch.Tensor
     k: torch.Tensor
@@ -116,14 +118,29 @@ class GdnRows:
 
 @dataclass
 class VerifyRecord:
-    """What a verify step leaves for commit, per request (slot) and GDN layer: the conv window after
-    each of its rows; with the cached GDN commit the state after each row, with the recomputing one
-    the rows' recurrence inputs; and the PLE history after each row."""
+    """What a verify step leaves for commit, per GDN layer for its verifying requests in step order
+    (axis 0): the conv window after each row; with the cached GDN commit the state after each row,
+    with the recomputing one the rows' recurrence inputs; and the PLE history after each row. Views
+    of the step's tensors, no copy (a captured step leaves them in its static outputs)."""
 
-    states: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)   # layer -> slot -> [T, ...]
-    inputs: dict[int, dict[int, GdnRows]] = field(default_factory=dict)       # layer -> slot -> rows
-    windows: dict[int, dict[int, torch.Tensor]] = field(default_factory=dict)  # layer -> slot -> [T, ch, 3]
-    ple_history: dict[int, torch.Tensor] = field(default_factory=dict)         # slot -> [T, 2]
+    states: dict[int, torch.Tensor] = field(default_factory=dict)    # layer -> [R, T, HV, K, V]
+    inputs: dict[int, GdnRows] = field(default_factory=dict)         # layer -> rows [R, T, ...]
+    windows: dict[int, torch.Tensor] = field(default_factory=dict)   # layer -> [R, T, ch, 3]
+    ple_history: torch.Tensor | None = None                          # [R, T, 2] int64, host
+
+
+def verify_histories(ids: torch.Tensor, spans: list[Span], cache: EngineCache) -> torch.Tensor:
+    """[R, T, 2]: each verifying request's n-gram history after each of its rows (host)."""
+    out = []
+    for sp in spans:
+        if sp.mode != "verify":
+            continue
+        h, after = cache.ple_history[sp.slot], []
+        for t in ids[sp.lo:sp.hi]:
+            h = ple_history_advance(h, t.reshape(1))
+            after.append(h)
+        out.append(torch.stack(after))
+    return torch.stack(out)
 
 
 @dataclass
@@ -238,8 +255,12 @@ class Model:
             T, Bv = verify[0].rows, len(verify)
             if any(sp.rows != T for sp in verify):
                 raise ValueError("a verify step brings the same number of rows for every request")
-            idx = torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]).to(u.device)
-            slots = torch.tensor([sp.slot for sp in verify], dtype=torch.int64)
+            if rows.kind == "verify":  # every row, in request order: no gather, slots on the device
+                idx = torch.arange(N, device=u.device)
+                slots = rows.seq_ids.view(Bv, T)[:, 0]
+            else:
+                idx = torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]).to(u.device)
+                slots = torch.tensor([sp.slot for sp in verify], dtype=torch.int64)
             x = mixed[idx].view(Bv, T, -1)
             old_window = pool.conv[slots.to(dev)]
             y, conv = ops.conv_prefill(x, w.conv_w, old_window, geometry=geo)
@@ -258,14 +279,12 @@ class Model:
                 hist = torch.cat([old_window, x.transpose(1, 2)], dim=2)  # [Bv, ch, 3 + T]
                 k_hist = old_window.shape[-1]
                 if self.gdn_commit == "cached":
-                    record.states[li] = {sp.slot: states[j] for j, sp in enumerate(verify)}
+                    record.states[li] = states
                 else:
-                    rows_of = [shape(t) for t in (q, k, v, a[idx], b[idx], z[idx])]
-                    record.inputs[li] = {sp.slot: GdnRows(*(t[j] for t in rows_of))
-                                         for j, sp in enumerate(verify)}
-                record.windows[li] = {
-                    sp.slot: torch.stack([hist[j, :, i + 1:i + 1 + k_hist] for i in range(T)])
-                    for j, sp in enumerate(verify)}
+                    record.inputs[li] = GdnRows(*(shape(t) for t in
+                                                  (q, k, v, a[idx], b[idx], z[idx])))
+                # the window after row i: columns i + 1 .. i + 3 of the history, [Bv, T, ch, 3]
+                record.windows[li] = hist.unfold(2, k_hist, 1)[:, :, 1:].transpose(1, 2)
         for sp in prefill:
             s = torch.tensor([sp.slot], device=dev)
             x = mixed[sp.lo:sp.hi][None]
@@ -282,16 +301,18 @@ class Model:
 
     def commit_gdn(self, record: VerifyRecord, cache: EngineCache, slots: list[int],
                    num_accepted: torch.Tensor) -> None:
-        """Commit a verify step's GDN layers: request r (slot ``slots[r]``) keeps its state and conv
-        window after row ``num_accepted[r] - 1`` (docs/spec.md, "Rollback / commit"), by the
-        configured ``gdn_commit`` (module doc)."""
+        """Commit a verify step's GDN layers: request r (slot ``slots[r]``, the step's r-th verifying
+        request) keeps its state and conv window after row ``num_accepted[r] - 1`` (docs/spec.md,
+        "Rollback / commit"), by the configured ``gdn_commit`` (module doc). A captured step's
+        record holds padding requests past ``len(slots)``."""
+        R = len(slots)
         for li, layer in enumerate(cache.layers):
             if not isinstance(layer, GDNPool):
                 continue
-            windows = torch.stack([record.windows[li][s] for s in slots])
+            windows = record.windows[li][:R].contiguous()
             records, axes = {"conv_window": windows}, dict(conv_channels=windows.shape[2])
             if self.gdn_commit == "cached":
-                states = torch.stack([record.states[li][s] for s in slots])
+                states = record.states[li][:R]
                 records = {"gdn_state": states, **records}
                 axes.update(state_dtype=DTYPE_NAME[layer.state.dtype], value_heads=states.shape[2],
                             head_dim=states.shape[-1])
@@ -304,15 +325,16 @@ class Model:
                 self._recompute_gdn(self.w.layers[li].mixer, layer, record.inputs[li], slots,
                                     num_accepted)
 
-    def _recompute_gdn(self, w, pool: GDNPool, rows: dict[int, GdnRows], slots: list[int],
+    def _recompute_gdn(self, w, pool: GDNPool, rows: GdnRows, slots: list[int],
                        num_accepted: torch.Tensor) -> None:
         """The accepted rows' recurrence re-run from the pre-verify state in the pool: row j in one
         ``gdn_decode`` launch over the requests that accepted it (their outputs are not read)."""
         counts = [int(n) for n in num_accepted]
         for j in range(max(counts, default=0)):
-            live = [slots[r] for r, n in enumerate(counts) if n > j]
-            row = [torch.stack([getattr(rows[s], f)[j] for s in live]) for f in "qkvabz"]
-            q, k, v, a, b, z = row
+            which = [r for r, n in enumerate(counts) if n > j]
+            live = [slots[r] for r in which]
+            at = torch.tensor(which, device=rows.q.device)
+            q, k, v, a, b, z = (getattr(rows, f)[at, j].contiguous() for f in "qkvabz")
             self.ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, z, w.norm_w, pool.state,
                                 torch.tensor(live, dtype=torch.int64, device=pool.state.device))
 
@@ -400,19 +422,16 @@ class Model:
             idx = torch.tensor([sp.lo for sp in single], device=dev)
             e[idx] = self.ops.ple_embed(ids_dev[idx], hist, x_emb[idx], w.ple, act, "decode_rows",
                                         cfg.num_layers)
-        for sp in rows.spans:
-            hist = cache.ple_history[sp.slot]
+        for j, sp in enumerate(rows.spans):
             if sp.rows > 1:
+                hist = (rows.span_history[j] if rows.span_history is not None
+                        else cache.ple_history[sp.slot].to(dev))
                 start = "new_request" if sp.start == 0 else "continuing"
-                e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist.to(dev),
+                e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist,
                                                     x_emb[sp.lo:sp.hi], w.ple, act, start,
                                                     cfg.num_layers)
-            if record is not None and sp.mode == "verify":
-                h, after = hist, []
-                for t in ids[sp.lo:sp.hi]:
-                    h = ple_history_advance(h, t.reshape(1))
-                    after.append(h)
-                record.ple_history[sp.slot] = torch.stack(after)
+        if record is not None:
+            record.ple_history = verify_histories(ids, rows.spans, cache)
         return e
 
     def _read_out(self, m: torch.Tensor) -> torch.Tensor:

@@ -294,7 +294,7 @@ class _Forward:
                 pos[table[slot, t // PAGE].long(), t % PAGE] = t.to(pos.dtype)
                 valid[table[slot, :start // PAGE].long()] = True
 
-    def run(self) -> list[OpCall]:
+    def run(self, trunk_only: bool = False) -> list[OpCall]:
         # A frame request's tower call belongs to the step of its first chunk (Engine.submit runs it
         # just before); a later chunk's request ran it steps before, outside this step's trace.
         earlier = {i: self._frame_prompt(c) for i, (c, _) in enumerate(self.modes)
@@ -320,6 +320,8 @@ class _Forward:
         rows.rope_positions = rope
         out = self.model.trunk(torch.zeros(sum(sp.rows for sp in spans), dtype=torch.int64),
                                rows, self.cache, logit_rows, splice)
+        if trunk_only:
+            return self.d.stop_trace()
         if self.sc.verify:
             self._after_verify(spans, out)
         elif self.k:  # a context step with speculation: the draft layer reads the chunks' rows
@@ -337,7 +339,7 @@ class _Forward:
         num_accepted = torch.full((R,), a + 1, dtype=torch.int64)
         rec, slots = out.record, [sp.slot for sp in spans]
         self.model.commit_gdn(rec, cache, slots, num_accepted)
-        ops.rollback_commit({"h": torch.stack([rec.ple_history[s] for s in slots])}, num_accepted)
+        ops.rollback_commit({"h": rec.ple_history[:len(slots)]}, num_accepted)
         for sp in spans:
             keep = sp.start + a + 1
             for li in cache.qsa_indices():
@@ -388,15 +390,16 @@ def _offsets(sizes: list[int]) -> list[int]:
 
 
 def forward_calls(sc: Scenario, catalog: Catalog, cfg: ModelConfig | None = None,
-                  weights: Weights | None = None) -> list[OpCall]:
-    """Every op call of the scenario's passes, in order (reference variants; see the module doc).
-    ``cfg`` / ``weights`` default to the scenario's geometry on meta (the driver test passes others)."""
+                  weights: Weights | None = None, trunk_only: bool = False) -> list[OpCall]:
+    """Every op call of the scenario's passes, in order (reference variants; see the module doc);
+    with ``trunk_only`` the trunk pass's only. ``cfg`` / ``weights`` default to the scenario's
+    geometry on meta (the driver test passes others)."""
     if cfg is None or weights is None:
         cfg, weights = _meta_model(sc.model)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # host-side index work on small tensors: threads only add overhead
     try:
-        return _Forward(sc, catalog, cfg, weights).run()
+        return _Forward(sc, catalog, cfg, weights).run(trunk_only)
     finally:
         torch.set_num_threads(threads)
 

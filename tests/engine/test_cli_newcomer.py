@@ -219,7 +219,7 @@ def test_the_committed_checkpoint_answers_in_the_documented_format(capsys):
 # ------------------------------------------------------------------ refused up front
 
 @pytest.mark.parametrize("extra, rule", [(["--state-dtype", "fp16"], "state_dtype_supported"),
-                                         (["--cuda-graphs"], "cuda_graphs_capture_decode_on_cuda")])
+                                         (["--cuda-graphs"], "cuda_graphs_capture_on_cuda")])
 def test_a_refusal_rule_is_named_before_the_checkpoint_loads(tmp_path, capsys, extra, rule):
     missing = tmp_path / "absent.safetensors"
     assert cli.main(["generate", "--checkpoint", str(missing), "--prompt", "a", *extra]) == 2

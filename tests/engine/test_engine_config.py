@@ -117,7 +117,7 @@ def test_cuda_graphs_refuse_a_moe_backend_that_reads_the_host():
     assert check(EngineConfig(device="cuda", cuda_graphs=True, moe_backend="triton"), gpu) == []
     for backend in ("torch", "spec_lowp"):
         r = only(EngineConfig(device="cuda", cuda_graphs=True, moe_backend=backend), gpu)
-        assert r.rule == "cuda_graphs_capture_decode_on_cuda"
+        assert r.rule == "cuda_graphs_capture_on_cuda"
         assert r.reason.startswith(f"a decode step of this geometry dispatches moe::{backend}:")
 
 
@@ -455,9 +455,9 @@ def test_cli_options_offer_the_configs_own_values(capsys):
     assert "REFUSED by 1 rule(s): state_dtype_supported" in capsys.readouterr().out
 
 
-def test_cuda_graphs_capture_decode_on_cuda():
+def test_cuda_graphs_capture_on_cuda():
     r = only(EngineConfig(cuda_graphs=True))
-    assert r.rule == "cuda_graphs_capture_decode_on_cuda"
+    assert r.rule == "cuda_graphs_capture_on_cuda"
     assert r.reason == "cuda_graphs needs device 'cuda' (the configuration's device is 'cpu')"
     gpu = default_context(EngineConfig(device="cuda"), arch="sm_90")
     assert check(EngineConfig(device="cuda", cuda_graphs=True), gpu) == []
@@ -465,8 +465,10 @@ def test_cuda_graphs_capture_decode_on_cuda():
                           "speculation"),
                          (EngineConfig(device="cuda", cuda_graphs=True, batch_invariant=True),
                           "batch-invariant")]:
-        graphs = [x for x in check(config, gpu) if x.rule == "cuda_graphs_capture_decode_on_cuda"]
+        graphs = [x for x in check(config, gpu) if x.rule == "cuda_graphs_capture_on_cuda"]
         assert len(graphs) == 1 and word in graphs[0].reason
+    assert "qsa_sparse_gqa triton_rows" in only(
+        EngineConfig(device="cuda", cuda_graphs=True, speculative=spec(3)), gpu).reason
     # The tiny geometry captures (its index scores pad to 16 heads), with every KV format: a
     # kernel KV append quantises inside, so the codecs' references are not part of the step.
     for kv in ("bf16", "fp8", "nvfp4"):
@@ -481,6 +483,6 @@ def test_cuda_graphs_capture_decode_on_cuda():
         v for v in scores.variants if v.impl == "spec"]})
     cut = RuleContext(ctx.model, Catalog(ops=ops, errors=ctx.catalog.errors), "sm_90")
     refused = check(tiny, cut)
-    assert [x.rule for x in refused] == ["cuda_graphs_capture_decode_on_cuda"], refused
+    assert [x.rule for x in refused] == ["cuda_graphs_capture_on_cuda"], refused
     assert refused[0].reason.startswith("a decode step of this geometry dispatches "
                                         "qsa_index_scores::spec_lowp")

@@ -239,7 +239,7 @@ def test_planted_recompute_from_the_post_verify_state(weights, monkeypatch):
         for li, rows in record.inputs.items():   # the verify rows' recurrence, as if committed
             w = self.w.layers[li].mixer
             pool = cache.layers[li]
-            full = torch.full((len(slots),), next(iter(rows.values())).q.shape[0])
+            full = torch.full((len(slots),), rows.q.shape[1])
             self._recompute_gdn(w, pool, rows, slots, full)
         return real(self, record, cache, slots, num_accepted)
     monkeypatch.setattr(Model, "commit_gdn", from_last_row)
