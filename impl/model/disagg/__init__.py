@@ -13,4 +13,6 @@ Selected by configuration only (``EngineConfig.role``: 'aggregated' by default, 
   engine, ``adopt`` (checked first: ``TransferRejected``) on the generation engine.
 - ``channel``: hand-offs over torch.distributed point-to-point messages.
 - ``workers``: ``ContextWorker`` and ``GenerationWorker``, the loops of the two engines.
+- ``pair``: a context and a generation worker in two processes (gloo on the CPU, NCCL on two CUDA
+  devices), as the tests and bench/disagg.py run them.
 """

@@ -6,6 +6,14 @@ size in the manifest). The end of the stream is a size record of kind ``END``. E
 on the channel's device: the CPU for gloo, the rank's CUDA device for NCCL, which moves only CUDA
 tensors (``EngineConfig.transfer_backend``; the NCCL path is not exercised by the CPU tests).
 
+Each channel records a ``Transfer`` per hand-off it moves (``transfers``): the request, its header
+and payload bytes, and the payload's seconds. On the receiving side these run from the header's
+arrival to the payload's (the sender sends the three messages back to back, so this is the payload's
+time on the link, a wait for the receiver's queue excluded); on CUDA the payload's receive is polled
+for completion on the host (``work.is_completed()``, every ``POLL_S``), so the time does not include
+a wait for the engine's later kernels on the device's default stream. On the sending side the
+seconds are the host's time in the three send calls (on CUDA only their enqueueing).
+
 ``Inbox`` receives on a thread of its own into a bounded queue, so a generation engine keeps
 stepping while the next hand-off is on its way, and stops receiving (the sender waits) while the
 queue is full.
@@ -16,6 +24,8 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -25,6 +35,7 @@ from impl.model.disagg.handoff import Handoff
 from impl.model.engine_config import EngineConfig, transfer_backend
 
 HANDOFF, END = 1, 0
+POLL_S = 1e-4       # how often a CUDA receive is polled for completion
 
 
 class TransferError(RuntimeError):
@@ -38,6 +49,25 @@ def open_group(config: EngineConfig, rank: int, world_size: int, init_method: st
                             world_size=world_size, timeout=timedelta(seconds=timeout_s))
 
 
+@dataclass(frozen=True)
+class Transfer:
+    """One hand-off moved: its request, header and payload bytes, and seconds (module docstring)."""
+
+    request_id: str
+    header_bytes: int
+    payload_bytes: int
+    seconds: float
+
+    @property
+    def bytes(self) -> int:
+        return self.header_bytes + self.payload_bytes
+
+    @property
+    def payload_bytes_per_second(self) -> float | None:
+        """The payload's rate; None without a payload (a request finished in its context step)."""
+        return self.payload_bytes / self.seconds if self.payload_bytes and self.seconds > 0 else None
+
+
 class TransferChannel:
     """Sends hand-offs to, or receives them from, rank ``peer``."""
 
@@ -46,8 +76,10 @@ class TransferChannel:
         self.device = torch.device(device)
         self.sent_bytes = 0
         self.received_bytes = 0
+        self.transfers: list[Transfer] = []
 
     def send(self, handoff: Handoff) -> None:
+        t0 = time.perf_counter()
         header = torch.frombuffer(bytearray(json.dumps(handoff.manifest).encode()),
                                   dtype=torch.uint8)
         dist.send(torch.tensor([HANDOFF, header.numel()], dtype=torch.int64, device=self.device),
@@ -55,6 +87,8 @@ class TransferChannel:
         dist.send(header.to(self.device), self.peer)
         dist.send(handoff.payload.to(self.device), self.peer)
         self.sent_bytes += header.numel() + handoff.payload.numel()
+        self.transfers.append(Transfer(handoff.request_id, header.numel(), handoff.payload.numel(),
+                                       time.perf_counter() - t0))
 
     def send_end(self) -> None:
         dist.send(torch.tensor([END, 0], dtype=torch.int64, device=self.device), self.peer)
@@ -77,11 +111,23 @@ class TransferChannel:
         except (ValueError, KeyError, TypeError) as e:
             raise TransferError(f"an unreadable hand-off header from rank {self.peer}: "
                                 f"{e}") from None
+        t0 = time.perf_counter()
         payload = torch.empty(payload_bytes, dtype=torch.uint8, device=self.device)
         if payload_bytes:
-            dist.recv(payload, self.peer)
+            self._wait(dist.irecv(payload, self.peer))
         self.received_bytes += n + payload_bytes
-        return Handoff(manifest, payload)
+        handoff = Handoff(manifest, payload)
+        self.transfers.append(Transfer(handoff.request_id, n, payload_bytes,
+                                       time.perf_counter() - t0))
+        return handoff
+
+    def _wait(self, work) -> None:
+        """Wait for a receive: on CUDA first poll its completion on the host (the transfer's own
+        time), then ``wait`` (the current stream waits for it, as ``dist.recv`` does)."""
+        if self.device.type == "cuda":
+            while not work.is_completed():
+                time.sleep(POLL_S)
+        work.wait()
 
 
 _NOTHING = object()
