@@ -15,7 +15,8 @@ and exits non-zero when a request's tokens differ from the aggregated engine's.
 tiny`` reads the trained tiny checkpoint (retrieval prompts, on which its draft layer is accepted);
 ``--model target`` draws seeded random weights on each device (spec.model.init_weights; the same
 draws on two cards of one kind, checked by a checksum of the embedding, final norm and LM head) with
-random prompts, ``--layers`` keeping the first N layers.
+random prompts, ``--layers`` keeping the first N layers. The whole target's weights (nvfp4 experts,
+bf16 dense weights: about 85 GB) fit one H200 each, not one H100; there ``--layers`` keeps fewer.
 
 The matrix: every prompt length (``--lengths``; the default holds the page and chunk boundaries 2048,
 2049, 4096 and 4097) in each KV format (``--kv``) and MTP mode (``--mtp``: ``both``, draft length 3 on
@@ -56,8 +57,8 @@ import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.disagg.channel import Transfer  # noqa: E402
 from impl.model.disagg.pair import (CheckpointWeights, DrawnWeights, PairJob, PairResult,  # noqa: E402
-                                    PairRun, pair_configs, rank_device, retrieval_prompt, run_pairs,
-                                    spec, weight_sum)
+                                    PairRun, pair_configs, rank_device, release, retrieval_prompt,
+                                    run_pairs, spec, weight_sum)
 from impl.model.engine import Engine, GenerationReport  # noqa: E402
 from impl.model.engine_config import EngineConfig  # noqa: E402
 from spec.config import ModelConfig  # noqa: E402
@@ -159,8 +160,7 @@ def references(args, cfg, source, jobs: list[Job], reqs) -> tuple[dict, float]:
         out[(kv, k)] = Engine(config, weights, cfg=cfg).generate(reqs)
     checksum = weight_sum(weights)
     del weights
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(device)     # on CUDA rank 0 draws its own copy on this device next
     return out, checksum
 
 

@@ -21,6 +21,7 @@ its peer) and ``retrieval_prompt`` (prompts on which the tiny checkpoint's draft
 
 from __future__ import annotations
 
+import gc
 import os
 import random
 import statistics
@@ -157,6 +158,13 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def release(device: torch.device) -> None:
+    """Free what a finished engine held before the next one is built (its pools, on CUDA)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def measure_link(rank: int, device: torch.device, nbytes: int, reps: int) -> list[float]:
     """Round trips of ``nbytes`` between ranks 0 and 1 (one warm, then ``reps`` timed on rank 0):
     the one-way seconds of each, half its round trip."""
@@ -217,7 +225,9 @@ def _rank_main(rank: int, jobs: list[PairJob], weights, cfg: ModelConfig | None,
                     errors={k: r.error for k, r in rep.results.items() if r.error},
                     seconds=rep.seconds, steps=rep.step_kinds,
                     transfers={t.request_id: t for t in channel.transfers}))
-        dist.destroy_process_group()
+            release(device)
+        dist.barrier()      # the last hand-off is received before the group goes (NCCL sends return
+        dist.destroy_process_group()    # once enqueued)
         out.put((rank, "ok", dict(jobs=found, link=link_seconds, weight_sum=weight_sum(weights))))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
