@@ -1,39 +1,43 @@
-"""Benchmark disaggregated serving: a context engine on one device hands each request to a generation
-engine on another; greedy tokens against the aggregated engine's, and the hand-off's bytes and time
-against the link's bandwidth.
+"""Benchmark disaggregated serving: a context engine on one device hands each request to a
+generation engine on another; greedy tokens against the aggregated engine's, and the hand-off's
+bytes and time against the link's bandwidth.
 
 Run on a machine with two GPUs from the repository root:
     python3 bench/disagg.py [--model target --layers N | --model tiny] [--lengths 32,2048,...]
                             [--kv bf16,nvfp4] [--mtp both,generation] [--out DIR]
     python3 bench/disagg.py --smoke      # the tiny model on the CPU over gloo, nothing written
-It writes ``disagg.md`` into DIR (default reports/bench) with the date, the devices and the versions,
-and exits non-zero when a request's tokens differ from the aggregated engine's.
+It writes ``disagg.md`` into DIR (default reports/bench) with the date, the devices and the
+versions, and exits non-zero when a request's tokens differ from the aggregated engine's.
 
 ``--device cuda`` (the default) runs the context engine (rank 0) on cuda:0 and the generation engine
-(rank 1) on cuda:1, hand-offs over NCCL with NVLink multicast off (``NCCL_NVLS_ENABLE=0`` unless set);
-``--device cpu`` runs both on the CPU over gloo (impl/model/disagg/pair.py). Weights: ``--model
-tiny`` reads the trained tiny checkpoint (retrieval prompts, on which its draft layer is accepted);
-``--model target`` draws seeded random weights on each device (spec.model.init_weights; the same
-draws on two cards of one kind, checked by a checksum of the embedding, final norm and LM head) with
-random prompts, ``--layers`` keeping the first N layers. The whole target's weights (nvfp4 experts,
-bf16 dense weights: about 85 GB) fit one H200 each, not one H100; there ``--layers`` keeps fewer.
+(rank 1) on cuda:1, hand-offs over NCCL with NVLink multicast off (``NCCL_NVLS_ENABLE=0`` unless
+set); ``--device cpu`` runs both on the CPU over gloo (impl/model/disagg/pair.py). Weights:
+``--model tiny`` reads the trained tiny checkpoint (retrieval prompts, on which its draft layer is
+accepted); ``--model target`` draws seeded random weights on each device (spec.model.init_weights;
+the same draws on two cards of one kind, checked by a checksum of the embedding, final norm and LM
+head) with random prompts, ``--layers`` keeping the first N layers. The whole target's weights
+(nvfp4 experts, bf16 dense weights: about 85 GB) fit one H200 each, not one H100; there ``--layers``
+keeps fewer.
 
-The matrix: every prompt length (``--lengths``; the default holds the page and chunk boundaries 2048,
-2049, 4096 and 4097) in each KV format (``--kv``) and MTP mode (``--mtp``: ``both``, draft length 3 on
-both engines; ``generation``, on the generation engine only, the context engine keeping the prompt's
-rows for it; ``none``). One job per format and mode sends all its requests through the pair. The
-reference is the aggregated engine on one device (cuda:0, run before the pair; on the CPU beside it)
-at the generation engine's draft length. A request passes when its tokens and its acceptance counts
-equal the reference's exactly. By default both engines hold one request at a time
+The matrix: every prompt length (``--lengths``; the default holds the page and chunk boundaries
+2048, 2049, 4096 and 4097) in each KV format (``--kv``) and MTP mode (``--mtp``: ``both``, draft
+length 3 on both engines; ``generation``, on the generation engine only, the context engine keeping
+the prompt's rows for it; ``none``). One job per format and mode sends all its requests through the
+pair. The reference is the aggregated engine on one device (cuda:0, run before the pair; on the CPU
+beside it) at the generation engine's draft length. A request passes when its tokens and its
+acceptance counts equal the reference's exactly. By default both engines hold one request at a time
 (``--batch 1``) with the default dispatch: a request then runs the aggregated engine's passes (the
 same prompt chunks, the same decode and verify rows), so its tokens are bit for bit the same.
 ``--batch N --batch-invariant`` batches instead (reference variants only, slow on CUDA).
 
 Transfer figures, per request (impl/model/disagg/channel.py, ``Transfer``): the bytes handed over
 (manifest header and payload), the payload's seconds on the receiving rank from the header's arrival
-to the payload's (on CUDA polled for completion every 100 us, so small payloads read as at least
-that), the payload's rate, and that rate's share of the link: the median one-way rate of
-``--link-mib`` MiB sent from rank 0 to rank 1 and back ``--link-reps`` times before the jobs.
+to the payload's (on CUDA polled for completion every 100 us: a figure may be up to 100 us late),
+the payload's rate, and that rate's share of the link: the median one-way rate of ``--link-mib`` MiB
+sent from rank 0 to rank 1 and back ``--link-reps`` times before the jobs. On the CPU over gloo a
+small payload may already sit in the socket's buffers when its receive starts, so its rate can
+exceed the link's; on CUDA an NCCL send waits for its receive.
+
 ``--smoke`` runs the tiny model on the CPU over gloo (prompts of 32 and 33 tokens, bf16 KV, MTP on
 both engines and on the generation engine only), checks token equality, writes nothing, and exits
 non-zero on a mismatch.
@@ -56,9 +60,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.disagg.channel import Transfer  # noqa: E402
-from impl.model.disagg.pair import (CheckpointWeights, DrawnWeights, PairJob, PairResult,  # noqa: E402
-                                    PairRun, pair_configs, rank_device, release, retrieval_prompt,
-                                    run_pairs, spec, weight_sum)
+from impl.model.disagg.pair import (  # noqa: E402
+    CheckpointWeights, DrawnWeights, PairJob, PairResult, PairRun, pair_configs, rank_device,
+    release, retrieval_prompt, run_pairs, spec, weight_sum)
 from impl.model.engine import Engine, GenerationReport  # noqa: E402
 from impl.model.engine_config import EngineConfig  # noqa: E402
 from spec.config import ModelConfig  # noqa: E402
@@ -108,7 +112,9 @@ def geometry(args) -> ModelConfig:
 
 
 def weight_source(args, cfg: ModelConfig):
-    return CheckpointWeights(str(CHECKPOINT)) if args.model == "tiny" else DrawnWeights(cfg, args.seed)
+    if args.model == "tiny":
+        return CheckpointWeights(str(CHECKPOINT))
+    return DrawnWeights(cfg, args.seed)
 
 
 def requests(args, cfg: ModelConfig) -> tuple[Request, ...]:
@@ -260,8 +266,8 @@ def verdict(outcome: Outcome) -> str:
     if bad:
         return (f"FAIL: {len(bad)} of {len(outcome.rows)} requests differ from the aggregated "
                 f"engine: " + ", ".join(f"{r.job.kv}/{r.job.mtp}/{r.request_id}" for r in bad))
-    return (f"PASS: all {len(outcome.rows)} requests' greedy tokens and acceptance counts equal the "
-            "aggregated engine's")
+    return (f"PASS: all {len(outcome.rows)} requests' greedy tokens and acceptance counts equal "
+            "the aggregated engine's")
 
 
 def where(args) -> str:
@@ -280,9 +286,10 @@ def report(args, cfg: ModelConfig, outcome: Outcome) -> list[str]:
                  f"{args.link_mib} MiB)" if link else "not measured")
     return [f"# Disaggregated serving, {args.model} geometry with {cfg.num_layers} layers "
             f"({dt.date.today()})", "", where(args) + ".", "",
-            f"Context engine on rank 0, generation engine on rank 1 ({args.device}); the aggregated "
-            f"engine on one device for the reference. {args.new_tokens} new tokens a request, "
-            f"greedy; batch {args.batch}{', batch-invariant' if args.batch_invariant else ''}; "
+            f"Context engine on rank 0, generation engine on rank 1 ({args.device}); the "
+            f"aggregated engine on one device for the reference. {args.new_tokens} new tokens a "
+            f"request, greedy; batch {args.batch}"
+            f"{', batch-invariant' if args.batch_invariant else ''}; "
             f"prompt chunks of {args.chunk} tokens; MTP draft length {args.draft_length} "
             "(both: on both engines; generation: on the generation engine only). Link: "
             f"{link_text}. Payload ms: on the generation rank, from the hand-off's header "

@@ -2,10 +2,10 @@
 
 ``run_pairs(jobs, store)`` runs the jobs on rank 0 (a ``ContextWorker``) and rank 1 (a
 ``GenerationWorker``) over gloo (impl/model/disagg/pair.py) and returns every request's tokens and
-acceptance counts. The ranks share the parent's weights (torch.multiprocessing passes their storage,
-not a copy). ``while_waiting`` runs in the parent meanwhile (the aggregated references), so the three
-processes share the two cores. ``PairJob(..., tamper=...)`` changes a hand-off's manifest before the
-context rank sends it.
+acceptance counts. The ranks share the parent's weights (torch.multiprocessing passes their
+storage, not a copy). ``while_waiting`` runs in the parent meanwhile (the aggregated references), so
+the three processes share the two cores. ``PairJob(..., tamper=...)`` changes a hand-off's manifest
+before the context rank sends it. ``pair_configs`` and ``spec`` come from the pair module.
 
 Weights: the trained tiny checkpoint, whose draft layer guesses the retrieval answers (acceptance
 counts above 1), so a draft layer that reads wrong planes shows in the counts. ``prompt(n, seed)``
@@ -23,6 +23,7 @@ from typing import Callable
 from impl.model.admission import Request
 from impl.model.disagg import pair
 from impl.model.disagg.handoff import Handoff
+# re-exported: the tests import them from here
 from impl.model.disagg.pair import PairResult, pair_configs, retrieval_prompt, spec  # noqa: F401
 
 CHECKPOINT = Path(__file__).resolve().parents[2] / "checkpoints" / "flashnext-tiny.safetensors"

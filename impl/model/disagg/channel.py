@@ -65,7 +65,9 @@ class Transfer:
     @property
     def payload_bytes_per_second(self) -> float | None:
         """The payload's rate; None without a payload (a request finished in its context step)."""
-        return self.payload_bytes / self.seconds if self.payload_bytes and self.seconds > 0 else None
+        if not self.payload_bytes or self.seconds <= 0:
+            return None
+        return self.payload_bytes / self.seconds
 
 
 class TransferChannel:
