@@ -275,8 +275,9 @@ def where(args) -> str:
         import triton  # noqa: PLC0415
 
         names = ", ".join(f"cuda:{i} {torch.cuda.get_device_name(i)}" for i in (0, 1))
-        return (f"{names}; torch {torch.__version__}, NCCL "
-                f"{'.'.join(map(str, torch.cuda.nccl.version()))}, triton {triton.__version__}")
+        nccl = torch.cuda.nccl.version()
+        nccl = ".".join(map(str, nccl)) if isinstance(nccl, tuple) else str(nccl)
+        return f"{names}; torch {torch.__version__}, NCCL {nccl}, triton {triton.__version__}"
     return f"CPU (gloo); torch {torch.__version__}"
 
 

@@ -10,9 +10,10 @@ Each channel records a ``Transfer`` per hand-off it moves (``transfers``): the r
 and payload bytes, and the payload's seconds. On the receiving side these run from the header's
 arrival to the payload's (the sender sends the three messages back to back, so this is the payload's
 time on the link, a wait for the receiver's queue excluded); on CUDA the payload's receive is polled
-for completion on the host (``work.is_completed()``, every ``POLL_S``), so the time does not include
-a wait for the engine's later kernels on the device's default stream. On the sending side the
-seconds are the host's time in the three send calls (on CUDA only their enqueueing).
+for completion on the host (``work.is_completed()``, every ``POLL_S``, at most ``POLL_LIMIT_S``), so
+the time does not include a wait for the engine's later kernels on the device's default stream. On
+the sending side the seconds are the host's time in the three send calls (on CUDA only their
+enqueueing).
 
 ``Inbox`` receives on a thread of its own into a bounded queue, so a generation engine keeps
 stepping while the next hand-off is on its way, and stops receiving (the sender waits) while the
@@ -36,6 +37,7 @@ from impl.model.engine_config import EngineConfig, transfer_backend
 
 HANDOFF, END = 1, 0
 POLL_S = 1e-4       # how often a CUDA receive is polled for completion
+POLL_LIMIT_S = 5.0  # polled no longer than this (no payload takes as long); then the stream waits
 
 
 class TransferError(RuntimeError):
@@ -127,7 +129,8 @@ class TransferChannel:
         """Wait for a receive: on CUDA first poll its completion on the host (the transfer's own
         time), then ``wait`` (the current stream waits for it, as ``dist.recv`` does)."""
         if self.device.type == "cuda":
-            while not work.is_completed():
+            deadline = time.perf_counter() + POLL_LIMIT_S
+            while not work.is_completed() and time.perf_counter() < deadline:
                 time.sleep(POLL_S)
         work.wait()
 
