@@ -226,8 +226,9 @@ def _rank_main(rank: int, jobs: list[PairJob], weights, cfg: ModelConfig | None,
                     seconds=rep.seconds, steps=rep.step_kinds,
                     transfers={t.request_id: t for t in channel.transfers}))
             release(device)
-        dist.barrier()      # the last hand-off is received before the group goes (NCCL sends return
-        dist.destroy_process_group()    # once enqueued)
+        # NCCL sends return once enqueued: the last hand-off is received before the group goes
+        dist.barrier()
+        dist.destroy_process_group()
         out.put((rank, "ok", dict(jobs=found, link=link_seconds, weight_sum=weight_sum(weights))))
     except BaseException:
         out.put((rank, "error", traceback.format_exc()))
