@@ -43,6 +43,8 @@ def _record(r: Result) -> dict:
     rec = {"id": j.id, "kind": j.kind, "variant": j.label, "module": j.module, "bug": j.bug,
            "status": r.status, "killed_by": r.killed_by, "seconds": round(r.seconds, 2),
            "tests_ran": r.ran, "tests": len(j.tests)}
+    if r.by_hint:
+        rec["by_hint"] = True   # killed by the test that killed it last time, run first
     if j.over_cap:
         rec["over_cap"] = j.over_cap
     if j.where:
