@@ -4,8 +4,8 @@ The item universe (``<lists>/items.json``) is written by ``certify lists`` and l
 since; a mutant must still meet it. So the test files whose text names the op in a ``certify_guard``
 or ``certify_property`` marker are collected again (``pytest --collect-only --certify-items``, in a
 warm worker's child or a subprocess, so nothing of the project is imported here), and their items
-replace the universe's items of the same files. A marker whose op is not written out as a string literal is found through
-the universe only.
+replace the universe's items of the same files. A marker whose op is not written out as a string
+literal is found through the universe only.
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ importer sees the mutant, and no child sees another's. The server runs no torch 
 thread (a fork copies only the forking thread, so a lock another thread held would stay held).
 
 The protocol is one JSON line each way. The runner writes ``{"job": JOB.json, "result": RESULT.json,
-"log": LOG}``; the server forks and answers ``{"pid": PID}`` at once, then ``{"exit": CODE, "cpu": SECONDS}``
-when the child ends (a negative code: the signal that ended it; its user + system CPU seconds). A child is the leader of its own process group,
-so the runner can kill it and what it started. A child writes its output to the log, its result (the
-worker's) to the result file, and exits 0; with no result file the job crashed.
+"log": LOG}``; the server forks and answers ``{"pid": PID}`` at once, then ``{"exit": CODE, "cpu":
+SECONDS}`` when the child ends (a negative code: the signal that ended it; its user + system CPU
+seconds). A child is the leader of its own process group, so the runner can kill it and what it
+started. A child writes its output to the log, its result (the worker's) to the result file, and
+exits 0; with no result file the job crashed.
 """
 
 from __future__ import annotations
