@@ -14,7 +14,7 @@ from certify.catalog.mutants import mutants_of
 from certify.files.paths import project_paths
 from certify.harness.archs import present_archs
 from certify.mutants.collect import current_items
-from certify.mutants.hints import last_killers, set_hints
+from certify.mutants.hints import last_killers, last_seconds, learn_seconds, set_hints
 from certify.mutants.plan import CAP_S, EditError, data_jobs
 from certify.mutants.report import op_report, score_text, survivor_line, write_op_report
 from certify.mutants.runner import CAUGHT, run_jobs, warm_pool
@@ -43,8 +43,9 @@ def add_parser(sub) -> None:
                         "(default: 30 s plus three times its tests' measured seconds, times the "
                         "load average over the cores where that is above 1)")
     m.add_argument("--no-hints", action="store_true",
-                   help="run each mutant's tests cheapest first only, without first running the test "
-                        "that killed it in the op's last report (the verdicts are the same)")
+                   help="ignore the op's last report: run each mutant's tests cheapest first by their "
+                        "measured durations only, not the test that killed it last time first nor by "
+                        "the seconds seen last time (the verdicts are the same)")
     m.add_argument("--list", action="store_true", help="list the mutants and their tests, run none")
     m.set_defaults(fn=cmd_mutants)
 
@@ -98,7 +99,9 @@ def _run_op(args, paths, catalog, name, items, durations, archs, pool) -> int:
     except (EditError, RuntimeError) as e:
         print(f"{name}: {e}", file=sys.stderr)
         return 1
+    seen = {} if args.no_hints else last_seconds(paths.reports, name)
     if not args.no_hints:
+        learn_seconds(jobs, seen)
         set_hints(jobs, last_killers(paths.reports, name))
     if args.list:
         for j in jobs:
@@ -115,10 +118,11 @@ def _run_op(args, paths, catalog, name, items, durations, archs, pool) -> int:
                                                 + (f" by {r.killed_by}" if r.killed_by else "")
                                                 + (" (its hint)" if r.by_hint else "")
                                                 + f" ({r.seconds:.1f} s)", flush=True),
-                       limit=args.time_limit, pool=pool)
+                       limit=args.time_limit, pool=pool, seen=(now := {}))
     seconds = time.perf_counter() - t0
     cpu = _children_cpu() + pool.cpu - cpu0
-    report = op_report(name, results, seconds, args.jobs, archs, args.generic, note, cap)
+    report = op_report(name, results, seconds, args.jobs, archs, args.generic, note, cap,
+                       {**seen, **now})
     report["cpu_s"] = round(cpu, 1)
     print(f"{name}: {score_text(report['score'])} in {seconds:.1f} s ({cpu:.1f} CPU seconds "
           "in the workers)")

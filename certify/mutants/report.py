@@ -57,7 +57,10 @@ def _record(r: Result) -> dict:
 
 
 def op_report(op: str, results: list[Result], seconds: float, workers: int, archs: list[str],
-              generic_asked: int = 0, generic_note: str = "", cap: float | None = None) -> dict:
+              generic_asked: int = 0, generic_note: str = "", cap: float | None = None,
+              test_seconds: dict[str, float] | None = None) -> dict:
+    """The op's report; ``test_seconds``: each test's seconds in this run and the ones before
+    (``certify.mutants.hints`` orders the next run by them)."""
     data = [_record(r) for r in results if r.job.kind == "data"]
     generic = [_record(r) for r in results if r.job.kind == "generic"]
     by_variant = {v: _tally([r for r in data if r["variant"] == v])
@@ -65,6 +68,8 @@ def op_report(op: str, results: list[Result], seconds: float, workers: int, arch
     out = {"format": FORMAT, "op": op, "date": _dt.date.today().isoformat(),
            "seconds": round(seconds, 1), "workers": workers, "archs": archs, "cap_s": cap,
            "score": _tally(data), "by_variant": by_variant, "mutants": data}
+    if test_seconds:
+        out["test_seconds"] = {t: round(s, 2) for t, s in sorted(test_seconds.items())}
     if generic_asked or generic:
         out["generic"] = {"asked": generic_asked, "note": generic_note, "score": _tally(generic),
                           "mutants": generic}

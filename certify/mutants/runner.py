@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import certify
-from certify.mutants.hints import expected_cost, hinted_order, through_hint
+from certify.mutants.hints import clean_ahead, expected_cost, run_order, through_hint
 from certify.mutants.plan import Job, module_file
 from certify.mutants.pool import WarmPool, WorkerDied
 
@@ -54,6 +54,7 @@ class Result:
     message: str = ""
     outcomes: dict[str, str] = field(default_factory=dict)
     by_hint: bool = False    # killed by its hint, run first
+    durations: dict[str, float] = field(default_factory=dict)   # each test's seconds in this run
 
 
 def _env(root: Path, threads: int, pycache: Path) -> dict[str, str]:
@@ -118,7 +119,7 @@ def _one(pool: WarmPool, job: Job, n: int, work: Path, root: Path, limit: float 
     path.write_text(job.source)
     original = module_file(job.module)
     package_dir = str(original.parent) if original.name == "__init__.py" else None
-    tests = hinted_order(job.tests, job.hint if hint else None)
+    tests = run_order(job, hint)
     spec = {"module": job.module, "path": str(path), "package_dir": package_dir,
             "tests": tests, "root": str(root), "stop": True}
     timeout = limit or (STARTUP_S + TIME_FACTOR * job.cost) * _load_slack()
@@ -135,35 +136,43 @@ def _one(pool: WarmPool, job: Job, n: int, work: Path, root: Path, limit: float 
         return Result(job, ERROR, seconds=seconds,
                       message=f"the worker ended without a result (exit {res['exit']}): {res['crash']}")
     ran = sum(1 for v in res["outcomes"].values() if v != "skipped")
+    durations = res.get("durations", {})
     if res["first_failed"]:
-        by_hint = hint and job.hint is not None and res["first_failed"] == job.hint
+        by_hint = tests[0] != job.tests[0] and res["first_failed"] == job.hint
         return Result(job, KILLED, res["first_failed"], seconds, ran, res["message"], res["outcomes"],
-                      by_hint)
+                      by_hint, durations)
     if res["not_run"] or res["exit"] not in (0, 5):
         return Result(job, ERROR, seconds=seconds, ran=ran, outcomes=res["outcomes"],
-                      message=f"pytest exit {res['exit']}; not run: {res['not_run'][:5]}")
-    return Result(job, SURVIVED, seconds=seconds, ran=ran, outcomes=res["outcomes"])
+                      message=f"pytest exit {res['exit']}; not run: {res['not_run'][:5]}",
+                      durations=durations)
+    return Result(job, SURVIVED, seconds=seconds, ran=ran, outcomes=res["outcomes"],
+                  durations=durations)
 
 
-def _clean(pool: WarmPool, tests: list[str], work: Path, root: Path, name: str) -> dict[str, str]:
-    """Each test's outcome on the unmutated code (``failed`` for all when the run gave no result)."""
+def _clean(pool: WarmPool, tests: list[str], work: Path, root: Path,
+           name: str) -> tuple[dict[str, str], dict[str, float]]:
+    """Each test's outcome on the unmutated code (``failed`` for all when the run gave no result),
+    and each test's seconds."""
     spec = {"module": None, "tests": tests, "root": str(root), "stop": False}
     res, _, timed_out = _run_worker(pool, spec, work, name, STARTUP_S + 600.0)
     if timed_out or "crash" in res:
-        return {t: "failed" for t in tests}
-    return {t: res["outcomes"].get(t, "not run") for t in tests}
+        return {t: "failed" for t in tests}, {}
+    return {t: res["outcomes"].get(t, "not run") for t in tests}, res.get("durations", {})
 
 
 def run_jobs(jobs: list[Job], root: Path, workers: int = 2, run_equivalent: bool = False,
-             progress=None, limit: float | None = None, pool: WarmPool | None = None) -> list[Result]:
+             progress=None, limit: float | None = None, pool: WarmPool | None = None,
+             seen: dict[str, float] | None = None) -> list[Result]:
     """Run the jobs, ``workers`` at once in warm workers (``pool``'s, or a pool of their own), the
     costliest first, and confirm the kills. A job marked equivalent is run only with
     ``run_equivalent``. A worker is killed after ``limit`` seconds (default: ``STARTUP_S`` plus
     ``TIME_FACTOR`` times its tests' measured cost).
 
-    The hinted killers (``Job.hint``), with the tests before them in their mutants' usual order, run
-    on the unmutated code beside the mutants, as one more job; the killers no hint foresaw run there
-    at the end."""
+    The hinted killers (``Job.hint``), with the tests before them in their mutants' usual order where
+    the hint runs first, run on the unmutated code beside the mutants, as one more job; the killers
+    no hint foresaw run there at the end. ``seen`` gets each test's longest seconds in the run (its tests' and the clean runs').
+    """
+    seen = {} if seen is None else seen
     results: dict[int, Result] = {}
     todo = []
     for n, job in enumerate(jobs):
@@ -172,7 +181,7 @@ def run_jobs(jobs: list[Job], root: Path, workers: int = 2, run_equivalent: bool
         else:
             todo.append(n)
     todo.sort(key=lambda n: -expected_cost(jobs[n]))
-    hinted = sorted({t for n in todo for t in through_hint(jobs[n])})
+    hinted = sorted({t for n in todo if jobs[n].tests for t in clean_ahead(jobs[n])})
     costs = {t: c for n in todo for t, c in jobs[n].costs.items()}
     hinted_cost = sum(costs.get(t, 0.0) for t in hinted)
     with ExitStack() as stack:
@@ -192,12 +201,15 @@ def run_jobs(jobs: list[Job], root: Path, workers: int = 2, run_equivalent: bool
                     results[n] = futures[n].result()
                     if progress:
                         progress(results[n])
-                clean = early.result() if early else {}
-                _confirm(results, clean, pool, work, root)
+                clean, seconds = early.result() if early else ({}, {})
+                _longest(seen, seconds)
+                _longest(seen, _confirm(results, clean, pool, work, root))
                 again = _rerun_hinted(results, clean, pool, work, root, limit, progress)
                 if again:
-                    _confirm(results, clean, pool, work, root, again)
+                    _longest(seen, _confirm(results, clean, pool, work, root, again))
                 _mark_errors(results, clean)
+                for r in results.values():
+                    _longest(seen, r.durations)
             except BaseException:  # an interrupt: no new worker starts, the running ones end now
                 for f in [*futures.values(), early]:
                     if f is not None:
@@ -207,14 +219,23 @@ def run_jobs(jobs: list[Job], root: Path, workers: int = 2, run_equivalent: bool
     return [results[n] for n in range(len(jobs))]
 
 
+def _longest(seen: dict[str, float], durations: dict[str, float]) -> None:
+    for t, s in durations.items():
+        seen[t] = max(s, seen.get(t, 0.0))
+
+
 def _confirm(results: dict[int, Result], clean: dict[str, str], pool: WarmPool, work: Path,
-             root: Path, only: list[int] | None = None) -> None:
-    """Run on the unmutated code the killing tests not run there yet, adding to ``clean``."""
+             root: Path, only: list[int] | None = None) -> dict[str, float]:
+    """Run on the unmutated code the killing tests not run there yet, adding to ``clean``; their
+    seconds."""
     rs = [results[n] for n in (only if only is not None else results)]
     killers = sorted({r.killed_by for r in rs if r.status == KILLED} - set(clean)
                      - {"(collection)"})
-    if killers:
-        clean.update(_clean(pool, killers, work, root, f"clean{len(clean)}"))
+    if not killers:
+        return {}
+    outcomes, seconds = _clean(pool, killers, work, root, f"clean{len(clean)}")
+    clean.update(outcomes)
+    return seconds
 
 
 def _rerun_hinted(results: dict[int, Result], clean: dict[str, str], pool: WarmPool, work: Path,

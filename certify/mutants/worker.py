@@ -11,7 +11,7 @@ A job with ``"args"`` instead is one plain pytest run of the unmutated code with
 result is pytest's exit code.
 
 The result file holds the outcome of every item that ran (``passed``, ``failed``, ``skipped``), the
-first that failed, and the seconds.
+first that failed, each item's seconds (setup, call and teardown) and the session's seconds.
 
 Hypothesis keeps the loaded profile's examples but neither shrinks nor explains a failing example: a
 mutant needs one failing example, not the smallest, and shrinking through Triton's interpreter can take
@@ -48,6 +48,7 @@ class _Record:
         self.order = {nodeid: n for n, nodeid in enumerate(order)}
         self.finder = finder
         self.outcomes: dict[str, str] = {}
+        self.durations: dict[str, float] = {}
         self.first_failed: str | None = None
         self.message = ""
 
@@ -62,6 +63,7 @@ class _Record:
         items.sort(key=lambda i: self.order.get(i.nodeid, len(self.order)))
 
     def pytest_runtest_logreport(self, report):
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
         if report.failed:
             self.outcomes[report.nodeid] = "failed"
             if self.first_failed is None:
@@ -112,7 +114,7 @@ def run(job: dict) -> dict:
     seconds = time.perf_counter() - t0
     missing = [t for t in job["tests"] if t not in rec.outcomes]
     return {"exit": int(code), "outcomes": rec.outcomes, "first_failed": rec.first_failed,
-            "message": rec.message, "seconds": seconds,
+            "message": rec.message, "seconds": seconds, "durations": rec.durations,
             "not_run": missing if rec.first_failed is None else []}
 
 

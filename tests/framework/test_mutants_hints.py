@@ -10,7 +10,8 @@ from pathlib import Path
 from certify.catalog.load import load_catalog
 from certify.files.paths import project_paths
 from certify.lists.records import load_durations, load_items
-from certify.mutants.hints import hinted_order, last_killers, set_hints, through_hint
+from certify.mutants.hints import (clean_ahead, hint_first, last_killers, last_seconds,
+                                   learn_seconds, run_order, set_hints, through_hint)
 from certify.mutants.report import load_mutants
 from certify.mutants.plan import Job, data_jobs
 from certify.mutants.runner import run_jobs, warm_pool
@@ -29,23 +30,38 @@ def test_shift_broken():
 '''
 
 
-def _job(tests: list[str], hint: str | None) -> Job:
-    return Job("op", "m", "bug", "v", "mod", "", tests, 1.0, hint=hint)
+def _job(tests: list[str], hint: str | None, costs: dict[str, float] | None = None) -> Job:
+    costs = costs or {t: 1.0 for t in tests}
+    return Job("op", "m", "bug", "v", "mod", "", tests, sum(costs.values()), costs=costs, hint=hint)
 
 
-def test_a_hint_moves_its_test_first_and_keeps_the_others_order():
-    assert hinted_order(["a", "b", "c"], "c") == ["c", "a", "b"]
-    assert hinted_order(["a", "b", "c"], None) == ["a", "b", "c"]
-    assert hinted_order(["a", "b"], "gone") == ["a", "b"]
-    assert through_hint(_job(["a", "b", "c"], "b")) == ["a", "b"]
+def test_a_hint_runs_first_unless_the_tests_before_it_cost_less_together():
+    assert run_order(_job(["a", "b", "c"], "c")) == ["c", "a", "b"]
+    assert run_order(_job(["a", "b", "c"], "c"), hint=False) == ["a", "b", "c"]
+    assert run_order(_job(["a", "b", "c"], None)) == ["a", "b", "c"]
+    assert run_order(_job(["a", "b"], "gone")) == ["a", "b"]
+    dear = _job(["a", "b", "c"], "c", {"a": 0.1, "b": 0.2, "c": 40.0})
+    assert not hint_first(dear) and run_order(dear) == ["a", "b", "c"]
+    assert clean_ahead(dear) == ["c"]
+    cheap = _job(["a", "b", "c"], "b", {"a": 1.0, "b": 0.5, "c": 3.0})
+    assert hint_first(cheap) and clean_ahead(cheap) == through_hint(cheap) == ["a", "b"]
     assert through_hint(_job(["a", "b", "c"], None)) == []
+
+
+def test_the_seconds_seen_reorder_a_jobs_tests_but_never_change_which_run():
+    job = _job(["a", "cell", "b"], None, {"a": 0.01, "cell": 0.03, "b": 0.5})
+    learn_seconds([job], {"cell": 40.0, "other": 1.0})
+    assert job.tests == ["a", "b", "cell"]
+    assert job.costs == {"a": 0.01, "cell": 40.0, "b": 0.5}
 
 
 def test_a_hint_is_read_from_the_last_report_and_kept_only_where_it_is_a_test(tmp_path):
     (tmp_path / "mutants").mkdir()
     (tmp_path / "mutants" / "op.json").write_text(json.dumps({"mutants": [
         {"id": "m", "kind": "data", "status": "killed", "killed_by": "b"},
-        {"id": "s", "kind": "data", "status": "survived", "killed_by": None}]}))
+        {"id": "s", "kind": "data", "status": "survived", "killed_by": None}],
+        "test_seconds": {"b": 2.5}}))
+    assert last_seconds(tmp_path, "op") == {"b": 2.5}
     killers = last_killers(tmp_path, "op")
     assert killers == {("data", "m"): "b"}
     jobs = [_job(["a", "b"], None), _job(["a"], None)]
@@ -115,15 +131,20 @@ def test_a_hint_after_a_test_that_fails_on_the_unmutated_code_gives_the_usual_or
     (project / "cells" / "shift.yaml").write_text(CELLS.split("  - id: impl_hangs")[0])
     (project / "tests" / "test_broken.py").write_text(BROKEN_TEST)
     (project / "lists" / "durations.json").write_text(json.dumps(
-        {"format": "durations/1", "durations": {BROKEN: 0.001, GUARD: 0.01, CELL: 0.1}}))
+        {"format": "durations/1", "durations": {CELL: 0.01, BROKEN: 0.05, GUARD: 0.06}}))
     res = certify_mutants(project, "--op", "shift", "--no-hints")
     full = _statuses(project)
-    # the broken test runs first and fails every mutant: each kill proves nothing
-    assert full == {"impl_adds_two": "error", "spec_shifts_zero": "error",
+    # the usual order is cell, broken test, guard: a mutant the cell does not kill meets the broken
+    # test next, and that kill proves nothing
+    assert full == {"impl_adds_two": "killed", "spec_shifts_zero": "error",
                     "impl_shifts_zero": "error", "impl_commuted": "equivalent"}, res.stdout
-    _write_hints(project, {"impl_adds_two": CELL, "spec_shifts_zero": GUARD,
-                           "impl_shifts_zero": BROKEN})
+    # the guard, run first, kills the spec's mutant, yet the broken test comes before it in the
+    # usual order: the mutant runs again in that order
+    _write_hints(project, {"impl_adds_two": BROKEN, "spec_shifts_zero": GUARD,
+                           "impl_shifts_zero": GUARD})
     res = certify_mutants(project, "--op", "shift")
     assert _statuses(project) == full, res.stdout + res.stderr
     by = {m["id"]: m for m in load_mutants(project / "reports")["shift"]["mutants"]}
-    assert by["impl_adds_two"]["killed_by"] == BROKEN
+    assert by["spec_shifts_zero"]["killed_by"] == BROKEN
+    assert by["impl_adds_two"]["killed_by"] == CELL
+    assert "spec_shifts_zero: killed by " + GUARD + " (its hint)" in res.stdout
