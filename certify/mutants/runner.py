@@ -10,22 +10,24 @@ outlives its time limit is killed, and its mutant counts as killed (``timeout``:
 the op is caught).
 
 A mutant is killed when one of its tests fails; its run stops there. A mutant with a hint (the test
-that killed it last time, ``certify.mutants.hints``) runs that test first. The tests that killed
-mutants run once more on the unmutated code: the hints, and the tests before them in their mutants'
-usual order, beside the mutants; the other killers at the end. A test that fails there too proves
-nothing about the mutants it killed, which are reported as ``error`` with that reason, not as killed;
-a mutant killed by its hint where the hint or a test before it fails there runs again in the usual
-order, so that its verdict is the one that order gives.
+that killed it last time, ``certify.mutants.hints``) may run that test first. The tests that killed
+mutants run once more on the unmutated code, beside the mutants still running: the hints (and the
+tests before them in their mutants' usual order) from the start, every other killer once it kills.
+A test that fails there too proves nothing about the mutants it killed, which are reported as
+``error`` with that reason, not as killed; a mutant killed by its hint where the hint or a test
+before it fails there runs again in the usual order, so that its verdict is the one that order
+gives.
 """
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import tempfile
 import time
 from contextlib import ExitStack, contextmanager
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -169,8 +171,8 @@ def run_jobs(jobs: list[Job], root: Path, workers: int = 2, run_equivalent: bool
     ``TIME_FACTOR`` times its tests' measured cost).
 
     The hinted killers (``Job.hint``), with the tests before them in their mutants' usual order where
-    the hint runs first, run on the unmutated code beside the mutants, as one more job; the killers
-    no hint foresaw run there at the end. ``seen`` gets each test's longest seconds in the run (its tests' and the clean runs').
+    the hint runs first, run on the unmutated code beside the mutants, as one more job; so does each
+    killer no hint foresaw, as soon as it kills. ``seen`` gets each test's longest seconds in the run (its tests' and the clean runs').
     """
     seen = {} if seen is None else seen
     results: dict[int, Result] = {}
@@ -189,31 +191,44 @@ def run_jobs(jobs: list[Job], root: Path, workers: int = 2, run_equivalent: bool
         if pool is None:
             pool = stack.enter_context(warm_pool(root, workers))
         with ThreadPoolExecutor(max_workers=max(1, workers)) as ex:
-            early, futures = None, {}
+            queue = [(-expected_cost(jobs[n]), n, ("mutant", n)) for n in todo]
+            if hinted:
+                queue.append((-hinted_cost, -1, ("clean", hinted)))
+            heapq.heapify(queue)
+            running: dict = {}
+            clean: dict[str, str] = {}
+            asked = set(hinted)   # the tests run, or to run, on the unmutated code
             try:
-                for n in todo:   # the hinted killers' clean run in its place by cost
-                    if hinted and early is None and expected_cost(jobs[n]) < hinted_cost:
-                        early = ex.submit(_clean, pool, hinted, work, root, "clean-hinted")
-                    futures[n] = ex.submit(_one, pool, jobs[n], n, work, root, limit)
-                if hinted and early is None:
-                    early = ex.submit(_clean, pool, hinted, work, root, "clean-hinted")
-                for n in todo:
-                    results[n] = futures[n].result()
-                    if progress:
-                        progress(results[n])
-                clean, seconds = early.result() if early else ({}, {})
-                _longest(seen, seconds)
-                _longest(seen, _confirm(results, clean, pool, work, root))
+                while queue or running:
+                    while queue and len(running) < max(1, workers):   # the costliest waiting first
+                        _, key, (kind, what) = heapq.heappop(queue)
+                        running[ex.submit(_one, pool, jobs[what], what, work, root, limit)
+                                if kind == "mutant" else
+                                ex.submit(_clean, pool, what, work, root, f"clean{key}")] = kind, what
+                    done, _ = wait(running, return_when=FIRST_COMPLETED)
+                    for f in done:
+                        kind, what = running.pop(f)
+                        if kind == "clean":
+                            outcomes, seconds = f.result()
+                            clean.update(outcomes)
+                            _longest(seen, seconds)
+                            continue
+                        r = results[what] = f.result()
+                        if progress:
+                            progress(r)
+                        if r.status == KILLED and r.killed_by not in asked | {"(collection)"}:
+                            asked.add(r.killed_by)   # confirmed beside the mutants still running
+                            heapq.heappush(queue, (-r.job.costs.get(r.killed_by, 0.0),
+                                                   len(jobs) + len(asked), ("clean", [r.killed_by])))
                 again = _rerun_hinted(results, clean, pool, work, root, limit, progress)
                 if again:
-                    _longest(seen, _confirm(results, clean, pool, work, root, again))
+                    _longest(seen, _confirm(results, clean, pool, work, root))
                 _mark_errors(results, clean)
                 for r in results.values():
                     _longest(seen, r.durations)
             except BaseException:  # an interrupt: no new worker starts, the running ones end now
-                for f in [*futures.values(), early]:
-                    if f is not None:
-                        f.cancel()
+                for f in running:
+                    f.cancel()
                 pool.kill_all()
                 raise
     return [results[n] for n in range(len(jobs))]
@@ -225,15 +240,14 @@ def _longest(seen: dict[str, float], durations: dict[str, float]) -> None:
 
 
 def _confirm(results: dict[int, Result], clean: dict[str, str], pool: WarmPool, work: Path,
-             root: Path, only: list[int] | None = None) -> dict[str, float]:
+             root: Path) -> dict[str, float]:
     """Run on the unmutated code the killing tests not run there yet, adding to ``clean``; their
     seconds."""
-    rs = [results[n] for n in (only if only is not None else results)]
-    killers = sorted({r.killed_by for r in rs if r.status == KILLED} - set(clean)
+    killers = sorted({r.killed_by for r in results.values() if r.status == KILLED} - set(clean)
                      - {"(collection)"})
     if not killers:
         return {}
-    outcomes, seconds = _clean(pool, killers, work, root, f"clean{len(clean)}")
+    outcomes, seconds = _clean(pool, killers, work, root, f"confirm{len(clean)}")
     clean.update(outcomes)
     return seconds
 
