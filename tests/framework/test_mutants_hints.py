@@ -86,7 +86,7 @@ def test_the_fast_path_gives_the_full_runs_verdicts_on_rmsnorm():
         assert set_hints(jobs, killers) == len(killers) > 0
         fast = run_jobs(jobs, paths.root, 2, pool=pool)
     assert _verdicts(fast) == _verdicts(full)
-    assert all(r.by_hint for r in fast if r.status == "killed")
+    assert all(r.killed_by == r.job.hint for r in fast if r.status == "killed")
     assert not any(r.by_hint for r in full)
     assert sum(r.ran for r in fast) <= sum(r.ran for r in full)
 
