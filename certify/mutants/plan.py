@@ -53,6 +53,7 @@ class Job:
     where: str = ""       # for a generic mutant: function, line and operator
     costs: dict[str, float] = field(default_factory=dict)
     over_cap: list[str] = field(default_factory=list)   # tests left out by the cap
+    hint: str | None = None   # the test that killed it last time, run first (certify.mutants.hints)
 
 
 def module_file(module: str) -> Path:

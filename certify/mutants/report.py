@@ -43,6 +43,8 @@ def _record(r: Result) -> dict:
     rec = {"id": j.id, "kind": j.kind, "variant": j.label, "module": j.module, "bug": j.bug,
            "status": r.status, "killed_by": r.killed_by, "seconds": round(r.seconds, 2),
            "tests_ran": r.ran, "tests": len(j.tests)}
+    if r.by_hint:
+        rec["by_hint"] = True   # killed by the test that killed it last time, run first
     if j.over_cap:
         rec["over_cap"] = j.over_cap
     if j.where:
@@ -55,7 +57,10 @@ def _record(r: Result) -> dict:
 
 
 def op_report(op: str, results: list[Result], seconds: float, workers: int, archs: list[str],
-              generic_asked: int = 0, generic_note: str = "", cap: float | None = None) -> dict:
+              generic_asked: int = 0, generic_note: str = "", cap: float | None = None,
+              test_seconds: dict[str, float] | None = None) -> dict:
+    """The op's report; ``test_seconds``: each test's seconds in this run and the ones before
+    (``certify.mutants.hints`` orders the next run by them)."""
     data = [_record(r) for r in results if r.job.kind == "data"]
     generic = [_record(r) for r in results if r.job.kind == "generic"]
     by_variant = {v: _tally([r for r in data if r["variant"] == v])
@@ -63,6 +68,8 @@ def op_report(op: str, results: list[Result], seconds: float, workers: int, arch
     out = {"format": FORMAT, "op": op, "date": _dt.date.today().isoformat(),
            "seconds": round(seconds, 1), "workers": workers, "archs": archs, "cap_s": cap,
            "score": _tally(data), "by_variant": by_variant, "mutants": data}
+    if test_seconds:
+        out["test_seconds"] = {t: round(s, 2) for t, s in sorted(test_seconds.items())}
     if generic_asked or generic:
         out["generic"] = {"asked": generic_asked, "note": generic_note, "score": _tally(generic),
                           "mutants": generic}

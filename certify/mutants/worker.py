@@ -7,8 +7,15 @@ the tests) sees the mutant, and the working tree is only read. The items run in 
 the run stops at the first failure (``-x``): that item killed the mutant. With ``"stop": false`` every
 item runs (the clean run that confirms a killing test passes without its mutant).
 
+A job with ``"args"`` instead is one plain pytest run of the unmutated code with those arguments; its
+result is pytest's exit code.
+
 The result file holds the outcome of every item that ran (``passed``, ``failed``, ``skipped``), the
-first that failed, and the seconds.
+first that failed, each item's seconds (setup, call and teardown) and the session's seconds.
+
+Hypothesis keeps the loaded profile's examples but neither shrinks nor explains a failing example: a
+mutant needs one failing example, not the smallest, and shrinking through Triton's interpreter can take
+minutes. A test fails under the same examples either way.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ class _Record:
         self.order = {nodeid: n for n, nodeid in enumerate(order)}
         self.finder = finder
         self.outcomes: dict[str, str] = {}
+        self.durations: dict[str, float] = {}
         self.first_failed: str | None = None
         self.message = ""
 
@@ -49,11 +57,13 @@ class _Record:
             if self.finder in sys.meta_path:
                 sys.meta_path.remove(self.finder)
             sys.meta_path.insert(0, self.finder)
+        _no_shrinking()
 
     def pytest_collection_modifyitems(self, items):
         items.sort(key=lambda i: self.order.get(i.nodeid, len(self.order)))
 
     def pytest_runtest_logreport(self, report):
+        self.durations[report.nodeid] = self.durations.get(report.nodeid, 0.0) + report.duration
         if report.failed:
             self.outcomes[report.nodeid] = "failed"
             if self.first_failed is None:
@@ -70,7 +80,23 @@ class _Record:
             self.message = (report.longreprtext or "")[-2000:]
 
 
+def _no_shrinking() -> None:
+    """The loaded hypothesis profile without its shrink and explain phases."""
+    try:
+        from hypothesis import Phase, settings  # noqa: PLC0415
+    except ImportError:
+        return
+    base = settings.default
+    settings.register_profile("certify-mutants", parent=base,
+                              phases=[p for p in base.phases if p not in (Phase.shrink, Phase.explain)])
+    settings.load_profile("certify-mutants")
+
+
 def run(job: dict) -> dict:
+    if "args" in job:   # a plain pytest run of the unmutated code (the collection of the op's tests)
+        import pytest  # noqa: PLC0415
+
+        return {"exit": int(pytest.main(job["args"]))}
     finder = None
     if job.get("module"):
         finder = _Served(job["module"], job["path"], job.get("package_dir"))
@@ -88,7 +114,7 @@ def run(job: dict) -> dict:
     seconds = time.perf_counter() - t0
     missing = [t for t in job["tests"] if t not in rec.outcomes]
     return {"exit": int(code), "outcomes": rec.outcomes, "first_failed": rec.first_failed,
-            "message": rec.message, "seconds": seconds,
+            "message": rec.message, "seconds": seconds, "durations": rec.durations,
             "not_run": missing if rec.first_failed is None else []}
 
 
