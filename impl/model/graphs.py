@@ -28,12 +28,12 @@ bucket's batch size and at ``width`` blocks of context.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from impl.model.cache import PAGE, EngineCache
-from impl.model.model import Model, Span, StepOutput, StepRows, VerifyRecord, verify_histories
+from impl.model.model import Model, Span, StepOutput, StepRows, verify_histories
 
 # Reference variants a decode step may capture: tensor ops only, no value read on the host.
 CAPTURABLE_REFERENCES = frozenset({"rmsnorm"})
@@ -243,8 +243,8 @@ class StepGraphs:
         returned are views of the graph's static outputs, valid until the next replay."""
         modes = {sp.mode for sp in spans}
         T = spans[0].rows if spans else 1
-        if modes == {"decode"} and T != 1 or modes not in ({"decode"}, {"verify"}) or \
-                any(sp.rows != T for sp in spans) or (modes == {"verify"}) != (T > 1):
+        if modes not in ({"decode"}, {"verify"}) or any(sp.rows != T for sp in spans) or \
+                (modes == {"verify"}) != (T > 1):
             raise ValueError("a step graph runs decode rows (one a request) or verify rows (the "
                              "same number a request, more than one)")
         n = len(spans)
@@ -258,8 +258,7 @@ class StepGraphs:
         host_ids = torch.tensor(ids, dtype=torch.int64)
         record = out.record
         if record is not None:                      # the host side of the record: this step's
-            record = VerifyRecord(record.states, record.inputs, record.windows,
-                                  verify_histories(host_ids, spans, self.cache))
+            record = replace(record, ple_history=verify_histories(host_ids, spans, self.cache))
         Model.advance(host_ids, spans, self.cache)
         m = n * T
         selection = out.selection[:m] if out.selection is not None else None
