@@ -153,6 +153,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
                    help="run every op's reference variant (bitwise equal to spec/model.py)")
     e.add_argument("--cuda-graphs", action="store_true",
                    help="decode steps replay CUDA graphs captured per batch bucket (--device cuda only)")
+    e.add_argument("--prefill-graph", choices=["eager", "breakable"], default="eager",
+                   help="context and mixed steps replay a CUDA graph per token bucket, broken "
+                        "around the parts that read the step's spans (--device cuda only)")
     e.add_argument("--torch-only", action="store_true",
                    help="dispatch only the variants written in torch (the benchmarks' peer)")
     e.add_argument("--no-moe-expert-copy", action="store_true",
@@ -255,7 +258,7 @@ def _config(args) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
-        torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
+        prefill_graph=args.prefill_graph, torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
         moe_expert_copy=not args.no_moe_expert_copy, gdn_commit=args.gdn_commit,
         multimodal=args.multimodal)
 

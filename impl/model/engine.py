@@ -26,8 +26,10 @@ placeholder rows it reads, and every row of a step holding a frame request rotat
 positions (the prompt's, then the sequence index plus the request's delta).
 
 With ``cuda_graphs`` the trunk of a decode step (every row a decode row) or of a verify step
-replays a captured graph of its batch bucket (impl/model/graphs.py); other steps, and what follows
-a verify step's trunk (acceptance, commit, the draft layer), run eagerly.
+replays a captured graph of its batch bucket (impl/model/graphs.py); with ``prefill_graph:
+breakable`` the trunk of a context or mixed step replays the graph of its token bucket, its
+spanwise parts run eagerly between the graph's pieces (impl/model/prefill_graphs.py); other steps,
+and what follows a trunk (acceptance, commit, the draft layer), run eagerly.
 
 Disaggregated serving (impl/model/disagg/) moves a request between engines after its prompt:
 ``detach`` frees its slot on the context engine, ``attach`` gives it one on the generation engine,
@@ -51,6 +53,7 @@ from impl.model.dispatch import Dispatcher
 from impl.model.engine_config import (EngineConfig, RoutePlan, default_context, engine_memory,
                                       route)
 from impl.model.graphs import StepGraphs
+from impl.model.prefill_graphs import PrefillGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import Ops
 from impl.model.placement import HostMapped, with_host_ple_tables
@@ -196,6 +199,9 @@ class Engine:
         self.graphs = (StepGraphs(self.model, self.cache, config.max_batch_size,
                                   rows_per_request=self.k + 1 if self.k else 1)
                        if config.cuda_graphs else None)
+        self.prefill_graphs = (PrefillGraphs(self.model, self.cache, config.max_num_tokens,
+                                             scratch=config.max_batch_size)
+                               if config.captures_prefill else None)
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}   # slot -> sequence
         self.finished: list[Sequence] = []
@@ -326,8 +332,12 @@ class Engine:
             row += n
         splice, rope = step_inputs([(seq.frames, mode, sp.start, n)
                                     for (seq, mode, n), sp in zip(plan, spans)])
-        if self.graphs is not None and {mode for _, mode, _ in plan} in ({"decode"}, {"verify"}):
+        modes = {mode for _, mode, _ in plan}
+        if self.graphs is not None and modes in ({"decode"}, {"verify"}):
             out = self.graphs.step(spans, ids)
+        elif self.prefill_graphs is not None and self.prefill_graphs.serves(
+                spans, modes, frames=splice is not None or rope is not None):
+            out = self.prefill_graphs.step(spans, ids, logit_rows)
         else:
             rows = StepRows.build(spans)
             rows.rope_positions = rope

@@ -62,6 +62,11 @@ Decisions:
   ``disaggregated_peers_store_state_alike``); their draft layers agree, or only the generation engine
   drafts (rule ``disaggregated_draft_layers_agree``); the backend moves the device's tensors: gloo the
   CPU's, NCCL CUDA's (rule ``transfer_backend_serves_the_device``).
+- ``prefill_graph``: 'eager' (default) or 'breakable': context and mixed steps replay a graph per
+  token bucket whose breaks run the parts that read the step's spans eagerly
+  (impl/model/prefill_graphs.py). Rule ``breakable_prefill_graph_on_cuda`` refuses it off cuda, in
+  batch-invariant or torch-only mode, and where a piece between breaks would dispatch a variant that
+  reads the host, at any bucket. Steps with frame rows or verify rows run eagerly beside it.
 - Video input (``multimodal``, off by default; impl/model/vision.py): requests may carry frames. It
   needs a model whose preset has a vision tower read out to its width (rule
   ``multimodal_model_has_a_vision_tower``: tiny has one, the target none yet); frame prompts rotate by
@@ -101,6 +106,7 @@ Device = Literal["cpu", "cuda"]
 GdnCommit = Literal["cached", "recompute"]
 Role = Literal["aggregated", "context", "generation"]
 TransferBackend = Literal["gloo", "nccl"]
+PrefillGraph = Literal["eager", "breakable"]
 
 # the torch.distributed backend that moves a device's tensors between the peers
 TRANSFER_BACKEND_OF_DEVICE: dict[str, str] = {"cpu": "gloo", "cuda": "nccl"}
@@ -172,6 +178,9 @@ class EngineConfig(BaseModel):
     speculative: SpeculativeConfig | None = None
     batch_invariant: bool = False
     cuda_graphs: bool = False     # decode steps replay captured graphs (impl/model/graphs.py)
+    # context and mixed steps replay a graph of their token bucket, broken around the parts that
+    # read the step's spans (impl/model/prefill_graphs.py); rule breakable_prefill_graph_on_cuda
+    prefill_graph: PrefillGraph = "eager"
     torch_only: bool = False      # dispatch only variants written in torch (the benchmarks' peer)
     # where the PLE tables E and G live: device memory, or host memory registered with the CUDA
     # runtime and mapped into the device's address space (impl/model/placement.py); rule
@@ -211,9 +220,14 @@ class EngineConfig(BaseModel):
 
     @property
     def cache_slots(self) -> int:
-        """The slots the engine's cache holds: one a request, and with cuda_graphs a spare one
-        that pads decode graphs (impl/model/graphs.py) and no request is given."""
-        return self.max_batch_size + (1 if self.cuda_graphs else 0)
+        """The slots the engine's cache holds: one a request, and with captured graphs a spare one
+        that pads decode graphs (impl/model/graphs.py) and runs the capture of prefill graphs
+        (impl/model/prefill_graphs.py), and no request is given."""
+        return self.max_batch_size + (1 if self.cuda_graphs or self.captures_prefill else 0)
+
+    @property
+    def captures_prefill(self) -> bool:
+        return self.prefill_graph == "breakable"
 
     def build_plan(self, ctx: RuleContext | None = None) -> RoutePlan:
         """``route(self)``: the plan, or ``ConfigRefused`` before anything is built."""
@@ -619,6 +633,26 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
     return None
 
 
+def _prefill_graph(c: EngineConfig, ctx: RuleContext) -> str | None:
+    if not c.captures_prefill:
+        return None
+    if c.device != "cuda":
+        return (f"prefill_graph 'breakable' needs device 'cuda' (the configuration's device is "
+                f"{c.device!r})")
+    if c.batch_invariant or c.torch_only:
+        what = "batch-invariant mode" if c.batch_invariant else "torch_only"
+        return (f"prefill_graph 'breakable' is captured over the fast variants, not checked with "
+                f"{what}: turn one of them off")
+    from impl.model.prefill_graphs import uncapturable_piece_calls
+
+    bad = uncapturable_piece_calls(c, ctx)
+    if bad:
+        return (f"a prefill graph of this geometry captures {', '.join(bad)} between its breaks: "
+                "variants that read values on the host (references, HOST_READING_KERNELS), which "
+                "a CUDA graph cannot capture")
+    return None
+
+
 def _ple_tables(c: EngineConfig, ctx: RuleContext) -> str | None:
     if c.ple_tables == "host" and c.device != "cuda":
         return (f"ple_tables 'host' maps host memory into a CUDA device's address space; the "
@@ -789,6 +823,9 @@ RULES: list[Rule] = [
     Rule("cuda_graphs_capture_on_cuda",
          "CUDA graphs run on cuda, for decode steps without speculation, outside batch-invariant "
          "mode and torch_only.", _cuda_graphs),
+    Rule("breakable_prefill_graph_on_cuda",
+         "The breakable prefill graph runs on cuda, outside batch-invariant mode and torch_only, "
+         "and captures no variant that reads values on the host.", _prefill_graph),
     Rule("ple_host_tables_on_cuda",
          "Host-resident PLE tables (ple_tables 'host') are mapped into a cuda device.", _ple_tables),
     Rule("token_budget_holds_a_step",

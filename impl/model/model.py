@@ -27,7 +27,9 @@ of its first row and its GDN mode (decode: one row; prefill: a chunk of a prompt
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -40,6 +42,17 @@ from spec.ops.ple import ple_history_advance
 from spec.ops.qsa import QsaPlanes
 
 CPU = torch.device("cpu")
+
+
+class Breaks(Protocol):
+    """Where the parts of a step that read its spans on the host run (``Model.spanwise``)."""
+
+    def run(self, fn: SpanwiseFn, *tensors: torch.Tensor) -> torch.Tensor: ...
+
+
+# fn(rows, ids, *tensors) -> a tensor of one row per step row: ``rows`` and ``ids`` (host int64
+# [N]) the step's own, the tensors' leading axis its rows
+SpanwiseFn = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -77,6 +90,9 @@ class StepRows:
     # [3, N] rotary positions of a step holding a frame prompt (impl/model/vision.py); None: the
     # rows rotate by ``positions``
     rope_positions: torch.Tensor | None = None
+    # a breakable prefill graph's breaks (impl/model/prefill_graphs.py): the parts of the forward
+    # that read the step's spans run through it; None: they run in line
+    breaks: Breaks | None = None
 
     @classmethod
     def build(cls, spans: list[Span]) -> StepRows:
@@ -182,6 +198,14 @@ class Model:
 
     # ------------------------------------------------------------------ building blocks
 
+    @staticmethod
+    def spanwise(rows: StepRows, fn: SpanwiseFn, *tensors: torch.Tensor) -> torch.Tensor:
+        """``fn(rows, *tensors)``: a part of the step that reads its spans on the host (the GDN
+        conv and recurrence, the QSA append, selection and attention, the PLE embedding). With
+        ``rows.breaks`` (a breakable prefill graph) it runs there, between captured pieces, over
+        the step's own rows; the rest of the forward reads no span."""
+        return fn(rows, *tensors) if rows.breaks is None else rows.breaks.run(fn, *tensors)
+
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A dense projection (op ``linear``) of activations in the model's dtype."""
         return self.ops.linear(x.to(self.act), w)
@@ -213,7 +237,7 @@ class Model:
     # ------------------------------------------------------------------ GDN mixer
 
     def _gdn(self, u, w, pool: GDNPool, li: int, rows: StepRows, record: VerifyRecord | None):
-        cfg, ops, act = self.cfg, self.ops, self.act
+        cfg, act = self.cfg, self.act
         N = u.shape[0]
         hk, hv, dk, dv, r = (cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_d_k, cfg.gdn_d_v,
                              cfg.gdn_group)
@@ -226,12 +250,23 @@ class Model:
                            qkvz[..., dk:2 * dk].reshape(N, hk * dk),
                            qkvz[..., 2 * dk:2 * dk + r * dv].reshape(N, hv * dv)], dim=-1)
 
+        out = self.spanwise(rows, lambda rs, *t: self._gdn_rows(rs, *t, w, pool, li, record),
+                            mixed, a, b, z)
+        return self._linear(out.reshape(N, hv * dv).to(act), w.out_proj)
+
+    def _gdn_rows(self, rows: StepRows, mixed, a, b, z, w, pool: GDNPool, li: int,
+                  record: VerifyRecord | None) -> torch.Tensor:
+        """The GDN layer's conv and recurrence over each span by its mode: out [N, HV, V]."""
+        cfg, ops, act = self.cfg, self.ops, self.act
+        N = mixed.shape[0]
+        hk, hv, dk, dv = cfg.gdn_key_heads, cfg.gdn_value_heads, cfg.gdn_d_k, cfg.gdn_d_v
+
         def split(y):
             M = y.shape[0]
             return (y[:, :hk * dk].view(M, hk, dk), y[:, hk * dk:2 * hk * dk].view(M, hk, dk),
                     y[:, 2 * hk * dk:].view(M, hv, dv))
 
-        out = torch.empty(N, hv, dv, dtype=act, device=u.device)
+        out = torch.empty(N, hv, dv, dtype=act, device=mixed.device)
         geo = self.gdn_geometry
         decode = [sp for sp in rows.spans if sp.mode == "decode"]
         verify = [sp for sp in rows.spans if sp.mode == "verify"]
@@ -244,7 +279,7 @@ class Model:
             q, k, v = split(y)
             out = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, z, w.norm_w, pool.state, slots)
         elif decode:
-            idx = torch.tensor([sp.lo for sp in decode], device=u.device)
+            idx = torch.tensor([sp.lo for sp in decode], device=mixed.device)
             slots = torch.tensor([sp.slot for sp in decode], dtype=torch.int64)
             y, conv = ops.conv_update(mixed[idx], w.conv_w, pool.conv[slots.to(dev)], geometry=geo)
             pool.conv[slots.to(dev)] = conv
@@ -256,10 +291,10 @@ class Model:
             if any(sp.rows != T for sp in verify):
                 raise ValueError("a verify step brings the same number of rows for every request")
             if rows.kind == "verify":  # every row, in request order: no gather, slots on the device
-                idx = torch.arange(N, device=u.device)
+                idx = torch.arange(N, device=mixed.device)
                 slots = rows.seq_ids.view(Bv, T)[:, 0]
             else:
-                idx = torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]).to(u.device)
+                idx = torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]).to(mixed.device)
                 slots = torch.tensor([sp.slot for sp in verify], dtype=torch.int64)
             x = mixed[idx].view(Bv, T, -1)
             old_window = pool.conv[slots.to(dev)]
@@ -291,13 +326,13 @@ class Model:
             y, conv = ops.conv_prefill(x, w.conv_w, pool.conv[s], geometry=geo)
             pool.conv[s] = conv
             q, k, v = split(y[0])
-            acc = acc_dtype(u, w.conv_w)
+            acc = acc_dtype(mixed, w.conv_w)
             o, final = ops.gdn_prefill(q[None], k[None], v[None], a[None, sp.lo:sp.hi],
                                        b[None, sp.lo:sp.hi], w.A_log, w.dt_bias, z[None, sp.lo:sp.hi],
                                        w.norm_w, pool.state[s].to(acc))
             pool.state[s] = final.to(pool.state.dtype)
             out[sp.lo:sp.hi] = o[0]
-        return self._linear(out.reshape(N, hv * dv).to(act), w.out_proj)
+        return out
 
     def commit_gdn(self, record: VerifyRecord, cache: EngineCache, slots: list[int],
                    num_accepted: torch.Tensor) -> None:
@@ -345,21 +380,33 @@ class Model:
         """``selection``: where to leave this layer's selected blocks (the trunk's last QSA layer),
         or the shared selection to use (IndexShare in the draft layer: rows with a shared
         selection skip their own index scores and selection)."""
-        cfg, ops, act = self.cfg, self.ops, self.act
-        N, dev = u.shape[0], u.device
+        cfg, ops = self.cfg, self.ops
+        N = u.shape[0]
         hq, hkv, dh, hi, di = (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_heads,
                                cfg.index_dim)
-        axes = rows.qsa_axes()
         q = self._linear(u, w.w_q).view(N, hq, dh)
         gate = self._linear(u, w.w_gate).view(N, hq, dh)
         k = self._linear(u, w.w_k).view(N, hkv, dh)
         v = self._linear(u, w.w_v).view(N, hkv, dh)
-        rope = rows.positions if rows.rope_positions is None else rows.rope_positions
-        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, rope.to(dev), cfg.rotary_dim,
-                                cfg.rope_theta, cfg.eps, step=rows.kind, context=axes["context"])
         q_index = self._linear(u, w.w_qI).view(N, hi, di)
         k_index = ops.rmsnorm(self._linear(u, w.w_kI), w.kI_norm, cfg.eps)
         w_index = self._linear(u, w.w_wI)
+        o = self.spanwise(rows, lambda rs, *t: self._qsa_rows(rs, *t, w, cache, p, selection),
+                          q, gate, k, v, q_index, k_index, w_index)
+        return self._linear(o.reshape(N, hq * dh), w.w_o)
+
+    def _qsa_rows(self, rows: StepRows, q, gate, k, v, q_index, k_index, w_index, w,
+                  cache: EngineCache, p: QsaPlanes, selection: SelectionSlot | None):
+        """The QSA layer over the step's rows from their projections: rotary embedding, the
+        KV and index append, block selection and the sparse attention, o [N, HQ, D]."""
+        cfg, ops, act = self.cfg, self.ops, self.act
+        dev = q.device
+        hq, hkv, dh, hi, di = (cfg.num_q_heads, cfg.num_kv_heads, cfg.head_dim, cfg.index_heads,
+                               cfg.index_dim)
+        axes = rows.qsa_axes()
+        rope = rows.positions if rows.rope_positions is None else rows.rope_positions
+        q, k = ops.qk_norm_rope(q, k, w.q_norm, w.k_norm, rope.to(dev), cfg.rotary_dim,
+                                cfg.rope_theta, cfg.eps, step=rows.kind, context=axes["context"])
 
         store_k, store_v, load_k, load_v = ops.kv_codec(cache.kv_dtype, w.k_gs, w.v_gs, dh, hkv, act)
         kv_name = {"bf16": "bfloat16"}.get(cache.kv_dtype, cache.kv_dtype)
@@ -400,12 +447,12 @@ class Model:
         o = ops.qsa_sparse_gqa(q, gate, tokens, seq_ids, table, p, load_k, load_v,
                                axes=dict(axes, kv_dtype=kv_name, q_heads=hq, kv_heads=hkv,
                                          head_dim=dh))
-        return self._linear(o.reshape(N, hq * dh), w.w_o)
+        return o
 
     # ------------------------------------------------------------------ read-out
 
-    def _ple(self, ids: torch.Tensor, ids_dev: torch.Tensor, x_emb: torch.Tensor, rows: StepRows,
-             cache: EngineCache, record: VerifyRecord | None) -> torch.Tensor:
+    def _ple(self, rows: StepRows, ids_dev: torch.Tensor, x_emb: torch.Tensor,
+             cache: EngineCache) -> torch.Tensor:
         """e [N, L, P]: the one-token spans (decode rows, a prompt's 1-token chunk) in one call with
         a history per row, each longer span in a call of its own with its request's history."""
         cfg, w, act, dev = self.cfg, self.w, self.act, ids_dev.device
@@ -430,8 +477,6 @@ class Model:
                 e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist,
                                                     x_emb[sp.lo:sp.hi], w.ple, act, start,
                                                     cfg.num_layers)
-        if record is not None:
-            record.ple_history = verify_histories(ids, rows.spans, cache)
         return e
 
     def _read_out(self, m: torch.Tensor) -> torch.Tensor:
@@ -463,27 +508,35 @@ class Model:
 
     def trunk_forward(self, ids: torch.Tensor, ids_dev: torch.Tensor, rows: StepRows,
                       cache: EngineCache, logit_rows: list[int] | None = None,
-                      splice: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepOutput:
+                      splice: tuple[torch.Tensor, torch.Tensor] | None = None,
+                      handover: SelectionSlot | None = None) -> StepOutput:
         """The trunk's device work over one step (``trunk`` without the host-side bookkeeping of
-        ``advance``); a captured step (impl/model/graphs.py) replays exactly this."""
+        ``advance``); a captured step (impl/model/graphs.py, impl/model/prefill_graphs.py) replays
+        exactly this. ``handover``: where the last QSA layer leaves its selection (default a new
+        slot; a prefill graph passes its own, which its breaks refill at each replay)."""
         w, cfg = self.w, self.cfg
         record = VerifyRecord() if any(sp.mode == "verify" for sp in rows.spans) else None
         x_emb = w.embed[ids_dev]
         if splice is not None:
             at, frame_rows = splice
             x_emb = x_emb.index_copy(0, at.to(x_emb.device), frame_rows.to(x_emb.dtype))
-        e = self._ple(ids, ids_dev, x_emb, rows, cache, record)
+        e = self.spanwise(rows, lambda rs, *t: self._ple(rs, *t, cache), ids_dev, x_emb)
+        if record is not None:
+            record.ple_history = verify_histories(ids, rows.spans, cache)
         X = self._streams(x_emb, cfg.hc_streams)
         m = X[:, 0]
         last_qsa = max(i for i, lw in enumerate(w.layers) if lw.kind == "qsa")
-        handover = SelectionSlot(keep=True)
+        handover = handover if handover is not None else SelectionSlot(keep=True)
         for li, lw in enumerate(w.layers):
             planes = cache.layers[li] if lw.kind == "qsa" else None
             X, m = self._layer(X, lw, li, e[:, li], cache, rows, record, planes,
                                handover if li == last_qsa else None)
-        every_row = logit_rows is None or logit_rows == list(range(rows.rows))
-        logits = self._read_out(m if every_row else m[logit_rows])
-        return StepOutput(logits, m, record, handover.kept, logit_rows)
+        return StepOutput(self.read_out_rows(m, logit_rows), m, record, handover.kept, logit_rows)
+
+    def read_out_rows(self, m: torch.Tensor, logit_rows: list[int] | None) -> torch.Tensor:
+        """The logits of ``logit_rows`` of the trunk's rows ``m`` (None: every row)."""
+        every_row = logit_rows is None or logit_rows == list(range(m.shape[0]))
+        return self._read_out(m if every_row else m[logit_rows])
 
     @staticmethod
     def advance(ids: torch.Tensor, spans: list[Span], cache: EngineCache) -> None:

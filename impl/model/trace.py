@@ -40,6 +40,7 @@ driver's on the same geometry.
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 from functools import lru_cache
 from typing import Literal
 
@@ -294,6 +295,9 @@ class _Forward:
                 pos[table[slot, t // PAGE].long(), t % PAGE] = t.to(pos.dtype)
                 valid[table[slot, :start // PAGE].long()] = True
 
+    breaks: _SpanwiseMarks | None = None   # where the trunk's spanwise parts run (piece_calls)
+    read_out = True                        # the trunk reads out the rows that need logits
+
     def run(self, trunk_only: bool = False) -> list[OpCall]:
         # A frame request's tower call belongs to the step of its first chunk (Engine.submit runs it
         # just before); a later chunk's request ran it steps before, outside this step's trace.
@@ -318,8 +322,10 @@ class _Forward:
                                     for fp, (_, mode), sp in zip(frames, self.modes, spans)])
         rows = StepRows.build(spans)
         rows.rope_positions = rope
+        if self.breaks is not None:
+            rows.breaks, self.breaks.rows = self.breaks, rows
         out = self.model.trunk(torch.zeros(sum(sp.rows for sp in spans), dtype=torch.int64),
-                               rows, self.cache, logit_rows, splice)
+                               rows, self.cache, logit_rows if self.read_out else [], splice)
         if trunk_only:
             return self.d.stop_trace()
         if self.sc.verify:
@@ -402,6 +408,33 @@ def forward_calls(sc: Scenario, catalog: Catalog, cfg: ModelConfig | None = None
         return _Forward(sc, catalog, cfg, weights).run(trunk_only)
     finally:
         torch.set_num_threads(threads)
+
+
+class _SpanwiseMarks:
+    """Runs the trunk's spanwise parts in line (over ``rows``, the step's), marking where in the
+    dispatcher's trace each one's calls lie."""
+
+    def __init__(self, d: Dispatcher):
+        self.d = d
+        self.rows: StepRows | None = None
+        self.marks: list[tuple[int, int]] = []
+
+    def run(self, fn, *tensors):
+        start = len(self.d.trace)
+        out = fn(replace(self.rows, breaks=None), *tensors)
+        self.marks.append((start, len(self.d.trace)))
+        return out
+
+
+def piece_calls(sc: Scenario, catalog: Catalog) -> list[OpCall]:
+    """The op calls of the scenario's trunk pass outside its spanwise parts (``Model.spanwise``) and
+    before its read-out: what a breakable prefill graph (impl/model/prefill_graphs.py) captures."""
+    cfg, weights = _meta_model(sc.model)
+    fw = _Forward(sc, catalog, cfg, weights)
+    fw.breaks, fw.read_out = _SpanwiseMarks(fw.d), False
+    calls = fw.run(trunk_only=True)
+    inside = {i for a, b in fw.breaks.marks for i in range(a, b)}
+    return [c for i, c in enumerate(calls) if i not in inside]
 
 
 # ------------------------------------------------------------------------------------- the tracer

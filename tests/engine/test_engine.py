@@ -37,12 +37,13 @@ def _requests(lengths: list[int], new: int = 6, seed: int = 1) -> list[Request]:
 
 
 def _engine(weights, *, kv="bf16", state="fp32", k=None, budget=40, batch=4, invariant=True,
-            chunked=True, device="cpu", graphs=False, commit="cached") -> Engine:
+            chunked=True, device="cpu", graphs=False, commit="cached",
+            prefill_graph="eager") -> Engine:
     config = EngineConfig(model="tiny", device=device, kv_cache_dtype=kv, state_dtype=state,
                           max_batch_size=batch, max_num_tokens=budget, max_seq_len=MAX_LEN,
                           enable_chunked_prefill=chunked, batch_invariant=invariant,
                           speculative=None if k is None else SpeculativeConfig(draft_length=k),
-                          cuda_graphs=graphs, gdn_commit=commit)
+                          cuda_graphs=graphs, gdn_commit=commit, prefill_graph=prefill_graph)
     return Engine(config, weights, log_calls=True)
 
 
@@ -151,12 +152,14 @@ def test_default_mode_within_derived_tolerance(weights, kv, state, k):
         f"pass {worst[2]}: engine {worst[0]:.3g} vs reference {worst[1]:.3g}")
 
 
-def _default_mode_ratio(weights, kv, state, k, batch=4, device="cpu", graphs=False):
+def _default_mode_ratio(weights, kv, state, k, batch=4, device="cpu", graphs=False,
+                        prefill_graph="eager"):
     """(engine error, reference error, pass) of the pass where the engine is furthest over 2x."""
     e = _engine(weights, kv=kv, state=state, k=k, invariant=False, batch=batch, device=device,
-                graphs=graphs)
+                graphs=graphs, prefill_graph=prefill_graph)
     e.generate(_requests(LENGTHS))
     assert not graphs or e.graphs.replays > 0
+    assert prefill_graph == "eager" or e.prefill_graphs.replays > 0
     assert any(v != "spec_lowp" for vs in e.dispatcher.variants_ran().values() for v in vs)
     lowp = _replay(e, weights)
     ideal = replay(e.calls, widen(weights), TINY, kv_dtype=kv, state_dtype=STATE[state],

@@ -9,6 +9,9 @@
 - CUDA-graph decode (impl/model/graphs.py), on the tiny model and on the target geometry cut to 4
   layers: at a full batch bucket every decode step's replay gives the eager step's logits bit for
   bit; with padding rows the tiny model's logits keep the default mode's bound.
+- The breakable prefill graph (impl/model/prefill_graphs.py), on the tiny model and on the target
+  cut to 4 layers: a context or mixed step that fills its token bucket gives the eager step's logits
+  and hidden rows bit for bit; padded steps keep the default mode's bound.
 """
 
 from __future__ import annotations
@@ -114,6 +117,59 @@ def test_decode_graph_replay_equals_eager_at_a_full_bucket(target4, kv, state):
     cfg, weights = target4
     runs = [_target_decode(cfg, weights, graphs, kv, state) for graphs in (False, True)]
     assert _full_bucket_steps(runs) >= 4
+
+
+def _prefill_full_buckets(runs) -> int:
+    """Compare the trunk passes of an eager and a prefill-graphed engine whose context and mixed
+    steps fill their buckets; returns how many passes held prompt rows."""
+    trunk = [[c for c in e.calls if c.kind == "trunk"] for e in runs]
+    assert runs[1].prefill_graphs.replays > 0
+    assert [c.spans for c in trunk[0]] == [c.spans for c in trunk[1]]
+    compared = 0
+    for i, (a, b) in enumerate(zip(*trunk)):
+        assert torch.equal(a.logits, b.logits), f"trunk pass {i}: replay differs from eager"
+        assert torch.equal(a.hidden, b.hidden), f"trunk pass {i}: hidden rows differ from eager"
+        compared += any(mode == "prefill" for *_, mode in a.spans)
+    return compared
+
+
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32")])
+def test_tiny_prefill_graph_equals_eager_at_full_buckets(gpu_weights, kv, state):
+    # prompts of 64 and 15 tokens under a 32-token budget: context steps of 32 rows, then a mixed
+    # step of 16 (a decode row and the 15-token prompt): buckets 32 and 16, full
+    runs = []
+    for graph in ("eager", "breakable"):
+        e = cpu_tests._engine(gpu_weights, kv=kv, state=state, invariant=False, budget=32,
+                              device="cuda", prefill_graph=graph)
+        e.generate(cpu_tests._requests([64, 15], new=3))
+        runs.append(e)
+    assert _prefill_full_buckets(runs) >= 3
+
+
+@pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", None), ("nvfp4", "bf16", None),
+                                        ("fp8", "fp32", 3)])
+def test_prefill_graph_with_padding_rows_within_derived_tolerance(gpu_weights, kv, state, k):
+    engine_err, spec_err, where = cpu_tests._default_mode_ratio(
+        gpu_weights, kv, state, k, device="cuda", prefill_graph="breakable")
+    assert engine_err <= 2 * spec_err + 2 ** -9, (
+        f"pass {where}: engine {engine_err:.3g} vs reference {spec_err:.3g}")
+
+
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("nvfp4", "bf16")])
+def test_target_prefill_graph_equals_eager_at_full_buckets(target4, kv, state):
+    # one 128-token prompt under a 64-token budget: two context steps of 64 rows (bucket 64)
+    cfg, weights = target4
+    runs = []
+    for graph in ("eager", "breakable"):
+        config = EngineConfig(model="target", device="cuda", kv_cache_dtype=kv, state_dtype=state,
+                              max_batch_size=2, max_num_tokens=64, max_seq_len=160,
+                              prefill_graph=graph)
+        e = Engine(config, weights, cfg=cfg, log_calls=True)
+        gen = torch.Generator().manual_seed(5)
+        e.generate([Request(request_id="r0", max_new_tokens=2, prompt=tuple(
+            torch.randint(0, cfg.vocab_size, (128,), generator=gen).tolist()))])
+        runs.append(e)
+    assert _prefill_full_buckets(runs) >= 2
 
 
 def test_the_target_runs_gdn_prefill_at_its_bf16_operands_tier_on_the_gpu(target4):

@@ -1,0 +1,181 @@
+"""The breakable prefill graph's host side on the CPU: buckets, breaks over the step's own rows,
+padding rows, the hand-over of the last QSA selection, and its configuration rule.
+
+``PrefillGraphs`` with ``EagerPieces`` runs a captured step's forward again at each replay, its
+breaks (the spanwise parts, ``Model.spanwise``) recorded at capture and re-run over the step's own
+rows into the static tensors the next piece reads (impl/model/prefill_graphs.py). What it exercises
+without a GPU is everything but the capture itself: the token ids filled into the static buffer,
+padding rows that never reach a break, the breaks' static outputs (rows past the step's zero), the
+eager read-out of the rows that need logits, and the draft layer reading the graph's hidden rows.
+In batch-invariant mode every pass of a graphed run equals the spec's forward bit for bit
+(tests/engine/spec_replay.py); in the default mode a full bucket equals the eager step bit for bit.
+The CUDA capture is tested on the GPU (tests/engine/test_engine_gpu.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from certify.catalog.load import load_catalog
+from certify.files.paths import project_paths
+from impl.model.engine_config import EngineConfig, RuleContext, check
+from impl.model.model import Span, StepRows
+from impl.model.prefill_graphs import Breaks, EagerPieces, PrefillGraphs, token_buckets
+from impl.model.trace import Chunk, Scenario, piece_calls
+from tests.engine import test_engine as cpu_tests
+from tests.engine.spec_replay import first_mismatch
+
+SPANWISE_OPS = {"ple_embed", "conv_prefill", "conv_update", "gdn_prefill", "gdn_decode",
+                "qk_norm_rope", "qsa_kv_append", "qsa_index_store", "qsa_index_scores",
+                "qsa_topk_expand", "qsa_sparse_gqa"}
+
+
+def _graphed(e):
+    """Prefill graphs over the engine's last slot as the scratch one (the tests submit fewer
+    requests than ``max_batch_size``), recording the rows of every step they serve."""
+    e.prefill_graphs = PrefillGraphs(e.model, e.cache, e.config.max_num_tokens,
+                                     capture=EagerPieces(), scratch=e.config.max_batch_size - 1)
+    served: list[tuple[int, int]] = []
+    step = e.prefill_graphs.step
+
+    def logged(spans, ids, logit_rows):
+        served.append((sum(sp.rows for sp in spans), e.prefill_graphs.bucket(len(ids))))
+        return step(spans, ids, logit_rows)
+    e.prefill_graphs.step = logged
+    e.served = served
+    return e
+
+
+def test_token_buckets():
+    assert token_buckets(8192, 131072) == (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096,
+                                           6144, 8192)
+    assert token_buckets(40, 131072) == (16, 32, 40)
+    assert token_buckets(8192, 100) == (16, 32, 64, 100)   # a step is one request at most
+    assert token_buckets(10, 64) == (10,)
+
+
+@pytest.mark.parametrize("kv,state,k,budget", [("bf16", "fp32", None, 40),
+                                               ("nvfp4", "bf16", None, 40),
+                                               ("fp8", "fp32", 3, 36)])
+def test_graphed_prefill_matches_spec_bitwise(weights, kv, state, k, budget):
+    # prompts of 37, 5 and 70 tokens: context and mixed steps of up to ``budget`` rows in buckets
+    # 16, 32 and the budget, some of them padded
+    e = _graphed(cpu_tests._engine(weights, kv=kv, state=state, k=k, budget=budget))
+    if k:
+        e.force_accept = lambda rid, a: 1 + (e.steps + int(rid[1:])) % (k + 1)
+    rep = e.generate(cpu_tests._requests(cpu_tests.LENGTHS))
+    served = e.served
+    assert e.prefill_graphs.replays == len(served) == rep.step_kinds.get("context", 0) + \
+        rep.step_kinds.get("mixed", 0) > 0, (served, rep.step_kinds)
+    assert any(n < b for n, b in served), served          # a padded step
+    if not k:
+        assert rep.step_kinds.get("mixed"), rep.step_kinds
+    passes = cpu_tests._replay(e, weights)
+    assert first_mismatch(passes) is None, first_mismatch(passes)
+
+
+def test_a_full_bucket_gives_the_eager_steps_bits(weights):
+    # default mode; prompts of 64 and 15 tokens under a 32-token budget: two context steps of 32
+    # rows (bucket 32), then a mixed step of the first request's decode row and the 15-token
+    # prompt (bucket 16): every bucket full
+    runs = []
+    for graphed in (False, True):
+        e = cpu_tests._engine(weights, invariant=False, budget=32)
+        if graphed:
+            _graphed(e)
+        e.generate(cpu_tests._requests([64, 15], new=3))
+        runs.append(e)
+    assert runs[1].served and all(n == b for n, b in runs[1].served), runs[1].served
+    trunk = [[c for c in e.calls if c.kind == "trunk"] for e in runs]
+    assert [c.spans for c in trunk[0]] == [c.spans for c in trunk[1]]
+    compared = 0
+    for i, (a, b) in enumerate(zip(*trunk)):
+        assert torch.equal(a.logits, b.logits), f"trunk pass {i}: logits differ from eager"
+        assert torch.equal(a.hidden, b.hidden), f"trunk pass {i}: hidden rows differ from eager"
+        compared += any(mode == "prefill" for *_, mode in a.spans)
+    assert compared >= 3
+
+
+def test_a_padded_prompt_emits_the_eager_tokens(weights):
+    # default mode: a 37-token prompt runs in buckets 40 and 16 (chunks of 32... under a 40-token
+    # budget: 37 rows, then decode); padding rows never reach a break, so the requests' caches are
+    # the eager run's, and the greedy tokens agree
+    reps = []
+    for graphed in (False, True):
+        e = cpu_tests._engine(weights, invariant=False)
+        if graphed:
+            _graphed(e)
+        reps.append(e.generate(cpu_tests._requests([37, 11], new=6)))
+    assert any(n < b for n, b in e.served), e.served
+    tokens = [{rid: r.tokens for rid, r in rep.results.items()} for rep in reps]
+    assert tokens[0] == tokens[1] and all(tokens[0].values()), tokens
+
+
+def test_a_break_sees_the_steps_rows_and_leaves_the_padding_rows_zero():
+    seen = []
+
+    def fn(rows, x):
+        seen.append((rows.rows, x.shape[0]))
+        return x * 2
+    breaks = Breaks(rows=StepRows.build([Span(0, 0, 8, 0, "prefill")]))
+    out = breaks.run(fn, torch.ones(8, 3))               # recorded: the static output of 8 rows
+    breaks.recording = False
+    breaks.rows = StepRows.build([Span(2, 0, 5, 9, "prefill")])
+    call = breaks.calls[0]
+    call.inputs = (torch.full((8, 3), float("nan")),)   # a padded replay: rows 5..7 are padding
+    call.inputs[0][:5] = 3.0
+    breaks.replay(call)
+    assert seen == [(8, 8), (5, 5)]
+    assert call.out is out
+    assert torch.equal(out[:5], torch.full((5, 3), 6.0)) and not out[5:].any()
+
+
+def test_steps_the_graphs_do_not_serve(weights):
+    e = _graphed(cpu_tests._engine(weights, invariant=False))
+    g = e.prefill_graphs
+    ctx = [Span(0, 0, 20, 0, "prefill")]
+    assert g.serves(ctx, {"prefill"}, frames=False)
+    assert g.serves(ctx + [Span(1, 20, 21, 7, "decode")], {"prefill", "decode"}, frames=False)
+    assert not g.serves([Span(0, 0, 1, 7, "decode")], {"decode"}, frames=False)
+    assert not g.serves([Span(0, 0, 4, 7, "verify")], {"verify"}, frames=False)
+    assert not g.serves(ctx, {"prefill"}, frames=True)
+    assert not g.serves([Span(0, 0, 41, 0, "prefill")], {"prefill"}, frames=False)
+    with pytest.raises(ValueError, match="exceed the largest prefill bucket 40"):
+        g.bucket(41)
+
+
+def test_the_pieces_hold_no_spanwise_op():
+    cat = load_catalog(project_paths().cells)
+    sc = Scenario(name="prefill_graph", why="a context step a prefill graph captures",
+                  prefill=(Chunk(chunk=64, context=64),), max_num_tokens=64)
+    ops = {c.op for c in piece_calls(sc, cat)}
+    assert not ops & SPANWISE_OPS, ops & SPANWISE_OPS
+    assert {"linear", "rmsnorm", "moe", "ple_apply", "hc_inject_norm", "hc_first_projection",
+            "hc_pre", "hc_up_projection"} <= ops, ops
+    assert "logits_cast" not in ops    # the read-out runs after the replay
+
+
+def _ctx(config: EngineConfig, arch: str) -> RuleContext:
+    return RuleContext(config.model_geometry(), load_catalog(project_paths().cells), arch)
+
+
+def _refusals(config: EngineConfig, arch: str) -> dict[str, str]:
+    return {r.rule: r.reason for r in check(config, _ctx(config, arch))}
+
+
+def test_the_rule_admits_the_target_on_sm90_and_refuses_what_it_cannot_capture():
+    base = dict(model="target", device="cuda", prefill_graph="breakable")
+    assert "breakable_prefill_graph_on_cuda" not in _refusals(EngineConfig(**base), "sm_90")
+    cpu = _refusals(EngineConfig(**dict(base, device="cpu")), "cpu")
+    assert "needs device 'cuda'" in cpu["breakable_prefill_graph_on_cuda"]
+    for extra, why in [({"batch_invariant": True}, "batch-invariant mode"),
+                       ({"torch_only": True}, "torch_only"),
+                       ({"moe_backend": "torch"}, "moe::torch")]:
+        got = _refusals(EngineConfig(**dict(base, **extra)), "sm_90")
+        assert why in got.get("breakable_prefill_graph_on_cuda", ""), (extra, got)
+
+
+def test_the_spare_slot_is_held_for_the_capture():
+    assert EngineConfig(max_batch_size=4, prefill_graph="breakable").cache_slots == 5
+    assert EngineConfig(max_batch_size=4).cache_slots == 4
