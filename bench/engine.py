@@ -18,7 +18,8 @@ time is the median decode step (a graph captured mid-run at a new table width is
 floor is the bytes one decode step must move (``decode_step_bytes``) over the device-to-device copy
 bandwidth measured in the same run. The issue's protocol: ``--prompt-len 8192 --batch 1,32,128``.
 ``--modes`` picks the engines timed at every batch size: ``eager`` (the fast variants, step by
-step), ``graphs`` (the same with decode steps replayed from CUDA graphs) and ``torch`` (only the
+step), ``graphs`` (the same with decode steps replayed from CUDA graphs), ``all_graphs`` (the
+same with context steps replayed from breakable prefill graphs too) and ``torch`` (only the
 variants written in torch: the peer).
 ``--smoke`` runs the tiny model on the CPU (batches 1 and 2, 8-token prompts, 3 new tokens, the eager
 and torch modes, the kernel profile of the eager runs), checks that every request produced its tokens
@@ -93,7 +94,9 @@ def _requests(cfg: ModelConfig, rows: int, prompt_len: int, new: int, seed: int)
             for i in range(rows)]
 
 
-MODES = {"eager": {}, "graphs": {"cuda_graphs": True}, "torch": {"torch_only": True}}
+MODES = {"eager": {}, "graphs": {"cuda_graphs": True},
+         "all_graphs": {"cuda_graphs": True, "prefill_graph": "breakable"},
+         "torch": {"torch_only": True}}
 
 
 def step_tokens(rows: int, prompt_len: int) -> int:
@@ -211,7 +214,7 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=16,
                     help="full decode steps wanted (each request also gets one token a prefill step)")
     ap.add_argument("--modes", default="eager,graphs,torch",
-                    help="comma-separated: eager, graphs (cuda only), torch")
+                    help="comma-separated: eager, graphs (cuda only), all_graphs (cuda only), torch")
     ap.add_argument("--peer-tokens", type=int, default=4,
                     help="full decode steps in the torch mode's runs (it is the slow one)")
     ap.add_argument("--peer-prompt-len", type=int, default=64,
@@ -264,7 +267,8 @@ def main() -> None:
              "tokens/s = B / median step. Each request generates the full steps wanted plus one "
              "token a prefill step, so that every request is still running when the last prompt "
              "ends. Modes: eager (the fast variants, launched step by step), graphs (the same, "
-             "decode steps replayed from CUDA graphs), torch (only the variants written in torch, "
+             "decode steps replayed from CUDA graphs), all_graphs (graphs, and context steps "
+             "replayed from breakable prefill graphs), torch (only the variants written in torch, "
              f"eager, {args.peer_prompt_len}-token prompts, {args.peer_tokens} full steps). The "
              "floor is the step's bytes (below, at the step's mean context) over the copy "
              "bandwidth.", "",
@@ -322,7 +326,7 @@ def main() -> None:
                 out_dir.mkdir(parents=True, exist_ok=True)
                 (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
     ratios = [f"- batch {rows}: {mode} {steps[(rows, 'torch')] / steps[(rows, mode)]:.1f}x "
-              "faster than torch" for rows in batches for mode in ("eager", "graphs")
+              "faster than torch" for rows in batches for mode in ("eager", "graphs", "all_graphs")
               if (rows, mode) in steps and (rows, "torch") in steps]
     ratios += [f"- batch {rows}: graphs {steps[(rows, 'eager')] / steps[(rows, 'graphs')]:.1f}x "
                "faster than eager" for rows in batches

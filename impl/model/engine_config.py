@@ -908,10 +908,15 @@ def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
     moe = ctx.catalog.ops.get(MOE_OP)
     variant = choose_variant(config, moe, ctx.arch).variant if moe is not None else None
     copy = expert_copy(variant, config.max_num_tokens, config.moe_expert_copy, ctx.model)
+    rows = 0
+    if config.captures_prefill:
+        from impl.model.prefill_graphs import token_buckets
+
+        rows = token_buckets(config.max_num_tokens, config.max_seq_len)[-1]
     return memory_plan(ctx.model, slots=config.cache_slots, max_seq_len=config.max_seq_len,
                        kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
                        model_dtype=config.model_dtype, with_mtp=config.speculative is not None,
-                       expert_copy=copy)
+                       expert_copy=copy, prefill_rows=rows)
 
 
 # ---------------------------------------------------------------------------- explain

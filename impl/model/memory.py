@@ -8,7 +8,12 @@ Three parts, in bytes:
 - ``state_pools``: the GDN state (fp32 or bf16) and conv window (activation dtype) of every slot and
   GDN layer, and the PLE n-gram histories;
 - ``expert_copy``: the second copy of the routed experts (impl/model/expert_copy.py), 0 where none is
-  kept.
+  kept;
+- ``prefill_breaks``: with the breakable prefill graph (impl/model/prefill_graphs.py), the static
+  outputs of its breaks at the largest token bucket (every bucket writes the first rows of the same
+  buffers): the PLE embedding's rows, and one GDN and one QSA mixer's rows (each layer's are read
+  only by the piece after its break, so the layers of a kind share one buffer). The graph pieces'
+  own memory pool is not counted here (bench/prefill_graph.py measures it on the device).
 
 The engine sizes its page pool from ``max_seq_len``, not from the device's free memory, so the copy
 does not shrink it here; it is counted in the same sum as the pages (``total``), the memory a
@@ -42,10 +47,11 @@ class MemoryPlan:
     kv_pages: int
     state_pools: int
     expert_copy: ExpertCopy
+    prefill_breaks: int = 0
 
     @property
     def total(self) -> int:
-        return self.kv_pages + self.state_pools + self.expert_copy.bytes
+        return self.kv_pages + self.state_pools + self.expert_copy.bytes + self.prefill_breaks
 
     def lines(self) -> list[str]:
         gib = lambda n: f"{n / 2**30:.3f} GiB"  # noqa: E731
@@ -54,13 +60,25 @@ class MemoryPlan:
                 f"  GDN state and conv pools, PLE histories: {gib(self.state_pools)}",
                 f"  second expert copy: {gib(copy.bytes)} ({'kept' if copy.kept else 'none'}: "
                 f"{copy.reason})",
+                *([f"  prefill graph break outputs: {gib(self.prefill_breaks)}"]
+                  if self.prefill_breaks else []),
                 f"  total: {gib(self.total)}"]
+
+
+def prefill_break_bytes(model: ModelConfig, rows: int, act_bytes: int) -> int:
+    """The static outputs of a breakable prefill graph's breaks at ``rows`` rows: the PLE embedding
+    [rows, L, ple_dim], a GDN mixer's [rows, HV, V] and a QSA mixer's [rows, HQ, D]."""
+    per_row = (model.num_layers * model.ple_dim
+               + (model.gdn_value_heads * model.gdn_d_v if model.num_gdn_layers else 0)
+               + (model.num_q_heads * model.head_dim if model.num_qsa_layers else 0))
+    return rows * per_row * act_bytes
 
 
 def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: str,
                 state_dtype: str, model_dtype: str, with_mtp: bool,
-                expert_copy: ExpertCopy) -> MemoryPlan:
-    """The plan of an engine with ``slots`` slots (``EngineCache.allocate``'s arguments)."""
+                expert_copy: ExpertCopy, prefill_rows: int = 0) -> MemoryPlan:
+    """The plan of an engine with ``slots`` slots (``EngineCache.allocate``'s arguments), and with
+    a breakable prefill graph whose largest bucket holds ``prefill_rows`` rows (0: none)."""
     act = _ACT_BYTES[model_dtype]
     pages = slots * -(-max_seq_len // PAGE)
     layers = model.num_qsa_layers + (model.mtp_layers if with_mtp else 0)
@@ -69,4 +87,5 @@ def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: s
         model.gdn_value_heads * model.gdn_d_k * model.gdn_d_v * _STATE_BYTES[state_dtype]
         + model.gdn_conv_channels * (model.gdn_conv_kernel - 1) * act)
     ple = slots * 2 * _INT64
-    return MemoryPlan(pages, kv, gdn + ple, expert_copy)
+    breaks = prefill_break_bytes(model, prefill_rows, act) if prefill_rows else 0
+    return MemoryPlan(pages, kv, gdn + ple, expert_copy, breaks)

@@ -47,7 +47,8 @@ CPU = torch.device("cpu")
 class Breaks(Protocol):
     """Where the parts of a step that read its spans on the host run (``Model.spanwise``)."""
 
-    def run(self, fn: SpanwiseFn, *tensors: torch.Tensor) -> torch.Tensor: ...
+    def run(self, fn: SpanwiseFn, *tensors: torch.Tensor, shared: str | None = None
+            ) -> torch.Tensor: ...
 
 
 # fn(rows, ids, *tensors) -> a tensor of one row per step row: ``rows`` and ``ids`` (host int64
@@ -199,12 +200,17 @@ class Model:
     # ------------------------------------------------------------------ building blocks
 
     @staticmethod
-    def spanwise(rows: StepRows, fn: SpanwiseFn, *tensors: torch.Tensor) -> torch.Tensor:
+    def spanwise(rows: StepRows, fn: SpanwiseFn, *tensors: torch.Tensor,
+                 shared: str | None = None) -> torch.Tensor:
         """``fn(rows, *tensors)``: a part of the step that reads its spans on the host (the GDN
         conv and recurrence, the QSA append, selection and attention, the PLE embedding). With
         ``rows.breaks`` (a breakable prefill graph) it runs there, between captured pieces, over
-        the step's own rows; the rest of the forward reads no span."""
-        return fn(rows, *tensors) if rows.breaks is None else rows.breaks.run(fn, *tensors)
+        the step's own rows; the rest of the forward reads no span. ``shared`` names an output
+        that only the forward's next stretch reads, so that the breaks of one name may write one
+        buffer (each layer's mixer rows); None: the output is read further on (the PLE rows)."""
+        if rows.breaks is None:
+            return fn(rows, *tensors)
+        return rows.breaks.run(fn, *tensors, shared=shared)
 
     def _linear(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """A dense projection (op ``linear``) of activations in the model's dtype."""
@@ -251,7 +257,7 @@ class Model:
                            qkvz[..., 2 * dk:2 * dk + r * dv].reshape(N, hv * dv)], dim=-1)
 
         out = self.spanwise(rows, lambda rs, *t: self._gdn_rows(rs, *t, w, pool, li, record),
-                            mixed, a, b, z)
+                            mixed, a, b, z, shared="gdn")
         return self._linear(out.reshape(N, hv * dv).to(act), w.out_proj)
 
     def _gdn_rows(self, rows: StepRows, mixed, a, b, z, w, pool: GDNPool, li: int,
@@ -290,8 +296,8 @@ class Model:
             T, Bv = verify[0].rows, len(verify)
             if any(sp.rows != T for sp in verify):
                 raise ValueError("a verify step brings the same number of rows for every request")
-            if rows.kind == "verify":  # every row, in request order: no gather, slots on the device
-                idx = torch.arange(N, device=mixed.device)
+            if rows.kind == "verify":  # every row, in request order: views, slots on the device
+                idx = slice(None)
                 slots = rows.seq_ids.view(Bv, T)[:, 0]
             else:
                 idx = torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]).to(mixed.device)
@@ -392,7 +398,7 @@ class Model:
         k_index = ops.rmsnorm(self._linear(u, w.w_kI), w.kI_norm, cfg.eps)
         w_index = self._linear(u, w.w_wI)
         o = self.spanwise(rows, lambda rs, *t: self._qsa_rows(rs, *t, w, cache, p, selection),
-                          q, gate, k, v, q_index, k_index, w_index)
+                          q, gate, k, v, q_index, k_index, w_index, shared="qsa")
         return self._linear(o.reshape(N, hq * dh), w.w_o)
 
     def _qsa_rows(self, rows: StepRows, q, gate, k, v, q_index, k_index, w_index, w,

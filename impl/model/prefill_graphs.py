@@ -89,20 +89,30 @@ class _Break:
 class Breaks:
     """A prefill graph's breaks (``StepRows.breaks`` of its static rows). While the graph is made,
     each ``run`` records a break and its static output; at a replay, break i runs ``fn`` over the
-    step's own rows (``rows``, the first ``n`` rows of each input) into that output."""
+    step's own rows (``rows``, the first ``n`` rows of each input) into that output.
+
+    The static outputs live in ``store``, which every bucket's breaks share: a bucket of P rows
+    writes the first P rows of buffers of ``max_rows`` rows (one step replays at a time). A break
+    whose output only the next piece reads (``shared``, one name a kind of mixer) writes the buffer
+    of its name, the others one of their own: the engine holds the PLE rows and one layer's mixer
+    rows of each kind, at its largest bucket (``memory.prefill_break_bytes``).
+    """
 
     rows: StepRows | None = None                  # the step's rows, as the eager step builds them
     calls: list[_Break] = field(default_factory=list)
     recording: bool = True
     on_break: Callable[[], None] | None = None    # the capture's piece boundary
     after_break: Callable[[], None] | None = None
+    store: dict[tuple, torch.Tensor] = field(default_factory=dict)
+    max_rows: int | None = None
     _next: int = 0
 
-    def run(self, fn: SpanwiseFn, *tensors: torch.Tensor) -> torch.Tensor:
+    def run(self, fn: SpanwiseFn, *tensors: torch.Tensor, shared: str | None = None
+            ) -> torch.Tensor:
         if self.recording:
             if self.on_break is not None:
                 self.on_break()
-            call = _Break(fn, tensors, self._compute(fn, tensors, None))
+            call = _Break(fn, tensors, self._compute(fn, tensors, None, shared))
             self.calls.append(call)
             if self.after_break is not None:
                 self.after_break()
@@ -117,12 +127,17 @@ class Breaks:
         self._compute(call.fn, call.inputs, call.out)
 
     def _compute(self, fn: SpanwiseFn, tensors: tuple[torch.Tensor, ...],
-                 out: torch.Tensor | None) -> torch.Tensor:
+                 out: torch.Tensor | None, shared: str | None = None) -> torch.Tensor:
         rows = self.rows
         n = rows.rows
         y = fn(rows, *(t[:n] for t in tensors))
         if out is None:
-            out = y.new_zeros(tensors[0].shape[0], *y.shape[1:])
+            P = tensors[0].shape[0]
+            key = (shared or len(self.calls), tuple(y.shape[1:]), y.dtype, y.device)
+            full = self.store.get(key)
+            if full is None:
+                full = self.store[key] = y.new_zeros(max(P, self.max_rows or 0), *y.shape[1:])
+            out = full[:P]
         out[:n] = y
         out[n:].zero_()
         return out
@@ -212,6 +227,7 @@ class PrefillGraphs:
         self.device = model.w.device
         self.capturer = capture if capture is not None else CudaPieces(self.device)
         self.graphs: dict[int, _Graph] = {}
+        self.store: dict[tuple, torch.Tensor] = {}      # the breaks' outputs (``Breaks``)
         self.replays = 0
 
     def serves(self, spans: list[Span], modes: set[str], frames: bool) -> bool:
@@ -238,7 +254,7 @@ class PrefillGraphs:
         cache.ensure_pages(self.scratch, P)
         spans = [Span(self.scratch, 0, P, 0, "prefill" if P > 1 else "decode")]
         own = StepRows.build(spans)
-        breaks = Breaks(rows=own)
+        breaks = Breaks(rows=own, store=self.store, max_rows=self.buckets[-1])
         static = replace(own, breaks=breaks)
         host = self.capturer.host_buffer
         g = _Graph(None, breaks, SelectionSlot(keep=True),

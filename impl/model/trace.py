@@ -419,7 +419,7 @@ class _SpanwiseMarks:
         self.rows: StepRows | None = None
         self.marks: list[tuple[int, int]] = []
 
-    def run(self, fn, *tensors):
+    def run(self, fn, *tensors, shared=None):
         start = len(self.d.trace)
         out = fn(replace(self.rows, breaks=None), *tensors)
         self.marks.append((start, len(self.d.trace)))

@@ -19,12 +19,16 @@ import torch
 
 from certify.catalog.load import load_catalog
 from certify.files.paths import project_paths
-from impl.model.engine_config import EngineConfig, RuleContext, check
+from impl.model.engine_config import EngineConfig, RuleContext, check, engine_memory
+from impl.model.memory import prefill_break_bytes
 from impl.model.model import Span, StepRows
 from impl.model.prefill_graphs import Breaks, EagerPieces, PrefillGraphs, token_buckets
 from impl.model.trace import Chunk, Scenario, piece_calls
+from spec.config import ModelConfig
 from tests.engine import test_engine as cpu_tests
 from tests.engine.spec_replay import first_mismatch
+
+TINY = ModelConfig.tiny()
 
 SPANWISE_OPS = {"ple_embed", "conv_prefill", "conv_update", "gdn_prefill", "gdn_decode",
                 "qk_norm_rope", "qsa_kv_append", "qsa_index_store", "qsa_index_scores",
@@ -179,3 +183,94 @@ def test_the_rule_admits_the_target_on_sm90_and_refuses_what_it_cannot_capture()
 def test_the_spare_slot_is_held_for_the_capture():
     assert EngineConfig(max_batch_size=4, prefill_graph="breakable").cache_slots == 5
     assert EngineConfig(max_batch_size=4).cache_slots == 4
+
+
+def test_every_bucket_writes_the_largest_buckets_break_outputs(weights):
+    """The breaks' static outputs are three buffers at the largest bucket's rows, whatever the
+    buckets captured: the PLE rows, and one buffer each for the GDN and the QSA mixers' rows,
+    which every layer of the kind writes; the memory plan counts exactly those bytes."""
+    e = _graphed(cpu_tests._engine(weights, invariant=False))
+    g = e.prefill_graphs
+    g.capture_all()
+    assert sorted(g.graphs) == [16, 32, 40]
+    assert len(g.store) == 3
+    assert all(t.shape[0] == 40 for t in g.store.values())
+    for graph in g.graphs.values():
+        for call in graph.breaks.calls:
+            assert any(call.out.data_ptr() == t.data_ptr() for t in g.store.values())
+    held = sum(t.numel() * t.element_size() for t in g.store.values())
+    assert held == prefill_break_bytes(TINY, 40, 2)
+    config = EngineConfig(model="tiny", device="cuda", max_num_tokens=40, max_seq_len=64,
+                          prefill_graph="breakable")
+    plan = engine_memory(config, _ctx(config, "sm_90"))
+    assert plan.prefill_breaks == held
+    assert engine_memory(config.model_copy(update={"prefill_graph": "eager"}),
+                         _ctx(config, "sm_90")).prefill_breaks == 0
+
+
+class _FakeGraph:
+    """Stands in for torch.cuda.CUDAGraph: records when each piece's capture begins and ends and
+    when it replays, so the capture protocol of ``CudaPieces`` is checked without a GPU."""
+
+    events: list[tuple[str, int]] = []
+    made = 0
+
+    def __init__(self):
+        self.id = _FakeGraph.made
+        _FakeGraph.made += 1
+
+    def capture_begin(self, pool=None):
+        self.events.append(("begin", self.id))
+
+    def capture_end(self):
+        self.events.append(("end", self.id))
+
+    def replay(self):
+        self.events.append(("replay", self.id))
+
+
+class _FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+def test_cuda_pieces_capture_a_piece_around_every_break(monkeypatch):
+    import contextlib
+
+    from impl.model import prefill_graphs
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
+    _FakeGraph.events, _FakeGraph.made = [], 0
+    events = _FakeGraph.events
+    breaks = Breaks(rows=StepRows.build([Span(0, 0, 4, 0, "prefill")]))
+
+    def spanwise(tag):
+        def fn(rows, x):
+            events.append(("break", tag))
+            return x + 1
+        return fn
+
+    def forward():
+        x = torch.zeros(4, 2)
+        for tag in range(3):
+            x = breaks.run(spanwise(tag), x)
+        events.append(("forward done", -1))
+        return x
+
+    replay = prefill_graphs.CudaPieces(torch.device("cpu")).capture(forward, breaks)
+    warm, capture = events[:events.index(("begin", 0))], events[events.index(("begin", 0)):]
+    assert warm == 2 * [("break", 0), ("break", 1), ("break", 2), ("forward done", -1)]
+    assert capture == [("begin", 0), ("end", 0), ("break", 0), ("begin", 1), ("end", 1),
+                       ("break", 1), ("begin", 2), ("end", 2), ("break", 2), ("begin", 3),
+                       ("forward done", -1), ("end", 3)]
+    assert not breaks.recording and breaks.on_break is None and len(breaks.calls) == 3
+    del events[:]
+    breaks.rows = StepRows.build([Span(1, 0, 3, 5, "prefill")])
+    replay()
+    assert events == [("replay", 0), ("break", 0), ("replay", 1), ("break", 1), ("replay", 2),
+                      ("break", 2), ("replay", 3)]
