@@ -61,6 +61,7 @@ def _kernel(hc, inputs) -> torch.Tensor:
 GEOMETRIES = [(48, 8), (16, 16), (8, 32)]
 
 
+@pytest.mark.certify_property("ple_embed")
 @pytest.mark.parametrize("L,P", GEOMETRIES)
 @pytest.mark.parametrize("per_row", [False, True])
 def test_the_gathered_rows_are_the_specs_bit_for_bit(L, P, per_row):
@@ -88,3 +89,13 @@ def test_a_wrong_multiplier_is_caught():
     bad = NgramHashConfig(multipliers=(hc.multipliers[0], tuple(m3)), primes=hc.primes,
                           pad_id=hc.pad_id)
     assert not torch.equal(_kernel(bad, inputs).view(torch.int16), want.view(torch.int16))
+
+
+@pytest.mark.certify_guard("ple_embed")
+@pytest.mark.parametrize("rows", [8, 10])
+def test_a_per_row_history_of_another_row_count_is_refused(rows):
+    hc, (ids, _, x, table, ngram, w_ple, norm_w) = _case(16, 16, 9, True, random_tables=False,
+                                                         bound=65536, seed=4)
+    history = torch.zeros(rows, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"a per-row history must be \[9, 2\]"):
+        _kernel(hc, (ids, history, x, table, ngram, w_ple, norm_w))
