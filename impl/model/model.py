@@ -541,6 +541,8 @@ class Model:
 
     def read_out_rows(self, m: torch.Tensor, logit_rows: list[int] | None) -> torch.Tensor:
         """The logits of ``logit_rows`` of the trunk's rows ``m`` (None: every row)."""
+        if logit_rows is not None and not logit_rows:   # no index tensor: a captured step
+            return self._read_out(m[:0])                 # copies nothing from the host
         every_row = logit_rows is None or logit_rows == list(range(m.shape[0]))
         return self._read_out(m if every_row else m[logit_rows])
 

@@ -87,9 +87,12 @@ class _Break:
 
 @dataclass
 class Breaks:
-    """A prefill graph's breaks (``StepRows.breaks`` of its static rows). While the graph is made,
-    each ``run`` records a break and its static output; at a replay, break i runs ``fn`` over the
-    step's own rows (``rows``, the first ``n`` rows of each input) into that output.
+    """A prefill graph's breaks (``StepRows.breaks`` of its static rows), in one of three modes:
+    ``record`` (the forward runs eagerly: each break runs and is recorded with its static output),
+    ``capture`` (the forward is being captured: each break is recorded with the static output its
+    recorded run left, ``planned``, and runs nothing, since the pieces around it have not run) and
+    ``replay`` (break i runs ``fn`` over the step's own rows, ``rows``, the first ``n`` rows of
+    each input, into its output; ``run`` serves the CPU stand-in's forward run again).
 
     The static outputs live in ``store``, which every bucket's breaks share: a bucket of P rows
     writes the first P rows of buffers of ``max_rows`` rows (one step replays at a time). A break
@@ -100,7 +103,8 @@ class Breaks:
 
     rows: StepRows | None = None                  # the step's rows, as the eager step builds them
     calls: list[_Break] = field(default_factory=list)
-    recording: bool = True
+    mode: str = "record"
+    planned: list[torch.Tensor] = field(default_factory=list)
     on_break: Callable[[], None] | None = None    # the capture's piece boundary
     after_break: Callable[[], None] | None = None
     store: dict[tuple, torch.Tensor] = field(default_factory=dict)
@@ -109,13 +113,15 @@ class Breaks:
 
     def run(self, fn: SpanwiseFn, *tensors: torch.Tensor, shared: str | None = None
             ) -> torch.Tensor:
-        if self.recording:
-            if self.on_break is not None:
-                self.on_break()
+        if self.mode == "record":
             call = _Break(fn, tensors, self._compute(fn, tensors, None, shared))
             self.calls.append(call)
-            if self.after_break is not None:
-                self.after_break()
+            return call.out
+        if self.mode == "capture":
+            self.on_break()
+            call = _Break(fn, tensors, self.planned[len(self.calls)])
+            self.calls.append(call)
+            self.after_break()
             return call.out
         call = self.calls[self._next]         # a forward run again (the CPU stand-in's replay)
         self._next = (self._next + 1) % len(self.calls)
@@ -145,8 +151,9 @@ class Breaks:
 
 class CudaPieces:
     """Captures a prefill step's forward into one CUDA graph piece per stretch between breaks,
-    after two eager runs on a side stream that compile and tune every kernel; every piece of one
-    engine's graphs shares a memory pool."""
+    after two eager runs on a side stream that compile and tune every kernel and leave each
+    break's static output; while capturing, a break runs nothing (its inputs are not computed
+    until a replay). Every piece of one engine's graphs shares a memory pool."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -160,9 +167,10 @@ class CudaPieces:
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(2):                # eager runs: every break runs and takes its output
                 breaks.calls.clear()
                 forward()
+        breaks.planned = [call.out for call in breaks.calls]
         breaks.calls.clear()
         torch.cuda.synchronize(self.device)
         pieces: list[torch.cuda.CUDAGraph] = []
@@ -173,13 +181,14 @@ class CudaPieces:
 
         breaks.on_break = lambda: pieces[-1].capture_end()
         breaks.after_break = begin
+        breaks.mode = "capture"
         with torch.cuda.stream(side):
             begin()
             out = forward()
             pieces[-1].capture_end()
         torch.cuda.current_stream(self.device).wait_stream(side)
         breaks.on_break = breaks.after_break = None
-        breaks.recording = False
+        breaks.mode = "replay"
 
         def replay() -> StepOutput:
             for piece, call in zip(pieces, [*breaks.calls, None]):
@@ -201,7 +210,7 @@ class EagerPieces:
     @staticmethod
     def capture(forward: Callable[[], StepOutput], breaks: Breaks) -> Callable[[], StepOutput]:
         forward()
-        breaks.recording = False
+        breaks.mode = "replay"
         return forward
 
 

@@ -124,7 +124,7 @@ def test_a_break_sees_the_steps_rows_and_leaves_the_padding_rows_zero():
         return x * 2
     breaks = Breaks(rows=StepRows.build([Span(0, 0, 8, 0, "prefill")]))
     out = breaks.run(fn, torch.ones(8, 3))               # recorded: the static output of 8 rows
-    breaks.recording = False
+    breaks.mode = "replay"
     breaks.rows = StepRows.build([Span(2, 0, 5, 9, "prefill")])
     call = breaks.calls[0]
     call.inputs = (torch.full((8, 3), float("nan")),)   # a padded replay: rows 5..7 are padding
@@ -265,10 +265,10 @@ def test_cuda_pieces_capture_a_piece_around_every_break(monkeypatch):
     replay = prefill_graphs.CudaPieces(torch.device("cpu")).capture(forward, breaks)
     warm, capture = events[:events.index(("begin", 0))], events[events.index(("begin", 0)):]
     assert warm == 2 * [("break", 0), ("break", 1), ("break", 2), ("forward done", -1)]
-    assert capture == [("begin", 0), ("end", 0), ("break", 0), ("begin", 1), ("end", 1),
-                       ("break", 1), ("begin", 2), ("end", 2), ("break", 2), ("begin", 3),
-                       ("forward done", -1), ("end", 3)]
-    assert not breaks.recording and breaks.on_break is None and len(breaks.calls) == 3
+    assert capture == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1), ("begin", 2),
+                       ("end", 2), ("begin", 3), ("forward done", -1), ("end", 3)]
+    assert breaks.mode == "replay" and breaks.on_break is None and len(breaks.calls) == 3
+    assert all(c.out is p for c, p in zip(breaks.calls, breaks.planned, strict=True))
     del events[:]
     breaks.rows = StepRows.build([Span(1, 0, 3, 5, "prefill")])
     replay()
