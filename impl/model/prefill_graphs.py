@@ -15,8 +15,9 @@ logits runs eagerly after the last piece (the rows are known only on the host).
 
 Padding rows (n .. P - 1) carry the pad token through the pieces and never reach a break: no
 cache plane, state pool or history sees them, so no scratch request is needed at replay. The
-capture itself runs the forward over a context step of P rows of the engine's spare slot (the
-scratch slot of impl/model/graphs.py), so the breaks it executes touch only that slot.
+capture's eager warm-up runs go over a context step of P rows of the engine's spare slot (the
+scratch slot of impl/model/graphs.py), so the breaks they execute touch only that slot; while the
+pieces are captured no break runs (``Breaks``, mode ``capture``).
 
 What a replay equals. At a full bucket (n = P) every kernel runs on the shapes and inputs of the
 eager step: the logits are the eager step's bits. A padded step runs the pieces at P rows: a variant
