@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for b in g.buckets:
         t1 = time.perf_counter()
-        g._capture(b)
+        g.capture(b)
         sync(cuda)
         per_bucket.append((b, time.perf_counter() - t1))
     boot = time.perf_counter() - t0

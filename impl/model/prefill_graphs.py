@@ -255,9 +255,9 @@ class PrefillGraphs:
     def capture_all(self) -> None:
         for b in self.buckets:
             if b not in self.graphs:
-                self._capture(b)
+                self.capture(b)
 
-    def _capture(self, P: int) -> _Graph:
+    def capture(self, P: int) -> _Graph:
         """The graph of bucket P, captured over a context step of P rows of the scratch slot."""
         cache, dev = self.cache, self.device
         cache.assign(self.scratch)
@@ -283,7 +283,7 @@ class PrefillGraphs:
         hidden rows returned are a view of the graph's static output, valid until the next
         replay; the logits are read out eagerly."""
         n = sum(sp.rows for sp in spans)
-        g = self.graphs.get(self.bucket(n)) or self._capture(self.bucket(n))
+        g = self.graphs.get(self.bucket(n)) or self.capture(self.bucket(n))
         host_ids = torch.tensor(ids, dtype=torch.int64)
         g.staged[:n] = host_ids
         g.staged[n:] = self.model.cfg.pad_id
