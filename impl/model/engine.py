@@ -200,7 +200,8 @@ class Engine:
                                   rows_per_request=self.k + 1 if self.k else 1)
                        if config.cuda_graphs else None)
         self.prefill_graphs = (PrefillGraphs(self.model, self.cache, config.max_num_tokens,
-                                             scratch=config.max_batch_size)
+                                             scratch=config.max_batch_size,
+                                             max_seq_len=config.max_seq_len)
                                if config.captures_prefill else None)
         self.waiting: list[Sequence] = []
         self.running: dict[int, Sequence] = {}   # slot -> sequence

@@ -10,10 +10,10 @@ Three parts, in bytes:
 - ``expert_copy``: the second copy of the routed experts (impl/model/expert_copy.py), 0 where none is
   kept;
 - ``prefill_breaks``: with the breakable prefill graph (impl/model/prefill_graphs.py), the static
-  outputs of its breaks at the largest token bucket (every bucket writes the first rows of the same
-  buffers): the PLE embedding's rows, and one GDN and one QSA mixer's rows (each layer's are read
-  only by the piece after its break, so the layers of a kind share one buffer). The graph pieces'
-  own memory pool is not counted here (bench/prefill_graph.py measures it on the device).
+  buffers of its breaks, inputs and outputs, at the largest token bucket (every bucket uses the
+  first rows of the same buffers): the PLE embedding's, and one GDN and one QSA mixer's (a layer's
+  are read only around its break, so the layers of a kind share them). The graph pieces' own
+  memory pool is not counted here (bench/prefill_graph.py measures it on the device).
 
 The engine sizes its page pool from ``max_seq_len``, not from the device's free memory, so the copy
 does not shrink it here; it is counted in the same sum as the pages (``total``), the memory a
@@ -60,18 +60,23 @@ class MemoryPlan:
                 f"  GDN state and conv pools, PLE histories: {gib(self.state_pools)}",
                 f"  second expert copy: {gib(copy.bytes)} ({'kept' if copy.kept else 'none'}: "
                 f"{copy.reason})",
-                *([f"  prefill graph break outputs: {gib(self.prefill_breaks)}"]
+                *([f"  prefill graph break buffers: {gib(self.prefill_breaks)}"]
                   if self.prefill_breaks else []),
                 f"  total: {gib(self.total)}"]
 
 
 def prefill_break_bytes(model: ModelConfig, rows: int, act_bytes: int) -> int:
-    """The static outputs of a breakable prefill graph's breaks at ``rows`` rows: the PLE embedding
-    [rows, L, ple_dim], a GDN mixer's [rows, HV, V] and a QSA mixer's [rows, HQ, D]."""
-    per_row = (model.num_layers * model.ple_dim
-               + (model.gdn_value_heads * model.gdn_d_v if model.num_gdn_layers else 0)
-               + (model.num_q_heads * model.head_dim if model.num_qsa_layers else 0))
-    return rows * per_row * act_bytes
+    """The static buffers of a breakable prefill graph's breaks at ``rows`` rows, inputs and
+    output: the PLE embedding's (ids int64, x_emb [C]; e [L, ple_dim]), a GDN mixer's (the conv
+    input [2 HK K + HV V], a and b [HV], z [HV, V]; out [HV, V]) and a QSA mixer's (q and the gate
+    [HQ, D], k and v [HKV, D], the index query [HI, DI], key [DI] and weights [HI]; out [HQ, D])."""
+    m = model
+    hk, hv, dk, dv = m.gdn_key_heads, m.gdn_value_heads, m.gdn_d_k, m.gdn_d_v
+    hq, hkv, dh, hi, di = m.num_q_heads, m.num_kv_heads, m.head_dim, m.index_heads, m.index_dim
+    ple = _INT64 + (m.hidden + m.num_layers * m.ple_dim) * act_bytes
+    gdn = (2 * hk * dk + hv * dv + 2 * hv + 2 * hv * dv) * act_bytes if m.num_gdn_layers else 0
+    qsa = ((3 * hq + 2 * hkv) * dh + hi * di + di + hi) * act_bytes if m.num_qsa_layers else 0
+    return rows * (ple + gdn + qsa)
 
 
 def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: str,

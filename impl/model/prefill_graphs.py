@@ -73,8 +73,9 @@ def uncapturable_piece_calls(config, ctx) -> list[str]:
 
 
 def token_buckets(max_num_tokens: int, max_seq_len: int) -> tuple[int, ...]:
-    """The row counts prefill graphs are captured at: ``TOKEN_BUCKETS`` below the largest step
-    (``max_num_tokens`` rows, at most ``max_seq_len``: the capture step is one request), and it."""
+    """The row counts prefill graphs are captured at: ``TOKEN_BUCKETS`` below the largest, and the
+    largest: ``max_num_tokens`` rows, at most ``max_seq_len``, since a graph is captured over one
+    request's context step of its rows (a larger step runs eagerly)."""
     top = min(max_num_tokens, max_seq_len)
     return tuple(sorted({b for b in TOKEN_BUCKETS if b < top} | {top}))
 
@@ -82,24 +83,28 @@ def token_buckets(max_num_tokens: int, max_seq_len: int) -> tuple[int, ...]:
 @dataclass
 class _Break:
     fn: SpanwiseFn
-    inputs: tuple[torch.Tensor, ...]    # the static tensors of the piece before it, P rows
+    inputs: tuple[torch.Tensor, ...]    # its static input buffers (views of P rows)
     out: torch.Tensor                   # the static tensor the piece after it reads, P rows
 
 
 @dataclass
 class Breaks:
     """A prefill graph's breaks (``StepRows.breaks`` of its static rows), in one of three modes:
-    ``record`` (the forward runs eagerly: each break runs and is recorded with its static output),
-    ``capture`` (the forward is being captured: each break is recorded with the static output its
-    recorded run left, ``planned``, and runs nothing, since the pieces around it have not run) and
-    ``replay`` (break i runs ``fn`` over the step's own rows, ``rows``, the first ``n`` rows of
-    each input, into its output; ``run`` serves the CPU stand-in's forward run again).
+    ``record`` (the forward runs eagerly: each break runs and is recorded with its static buffers),
+    ``capture`` (the forward is being captured: each break's inputs are copied into its input
+    buffers, the copies captured at the end of the piece before it, and the break is recorded with
+    the output its recorded run left, ``planned``; it runs nothing, since the pieces around it have
+    not run) and ``replay`` (break i runs ``fn`` over the step's own rows, ``rows``, the first
+    ``n`` rows of its input buffers, into its output; ``run`` serves the CPU stand-in's forward
+    run again, copying the inputs it is given first).
 
-    The static outputs live in ``store``, which every bucket's breaks share: a bucket of P rows
-    writes the first P rows of buffers of ``max_rows`` rows (one step replays at a time). A break
-    whose output only the next piece reads (``shared``, one name a kind of mixer) writes the buffer
-    of its name, the others one of their own: the engine holds the PLE rows and one layer's mixer
-    rows of each kind, at its largest bucket (``memory.prefill_break_bytes``).
+    The static buffers live in ``store``, which every bucket's breaks share: a bucket of P rows
+    uses the first P rows of buffers of ``max_rows`` rows (one step replays at a time). A break
+    whose output only the next piece reads (``shared``, one name a kind of mixer) uses the buffers
+    of its name, the others buffers of their own. A break keeps no tensor of the piece before it,
+    so the graph pool reuses a layer's activations for the next layer's, as the eager step does.
+    The engine holds the PLE break's buffers and one mixer's of each kind, at its largest bucket
+    (``memory.prefill_break_bytes``).
     """
 
     rows: StepRows | None = None                  # the step's rows, as the eager step builds them
@@ -114,24 +119,44 @@ class Breaks:
 
     def run(self, fn: SpanwiseFn, *tensors: torch.Tensor, shared: str | None = None
             ) -> torch.Tensor:
+        if self.mode == "replay":             # a forward run again (the CPU stand-in's replay)
+            call = self.calls[self._next]
+            self._next = (self._next + 1) % len(self.calls)
+            for buffer, t in zip(call.inputs, tensors, strict=True):
+                buffer.copy_(t)
+            self.replay(call)
+            return call.out
+        inputs = self._stage(tensors, shared)
         if self.mode == "record":
-            call = _Break(fn, tensors, self._compute(fn, tensors, None, shared))
+            call = _Break(fn, inputs, self._compute(fn, inputs, None, shared))
             self.calls.append(call)
             return call.out
-        if self.mode == "capture":
-            self.on_break()
-            call = _Break(fn, tensors, self.planned[len(self.calls)])
-            self.calls.append(call)
-            self.after_break()
-            return call.out
-        call = self.calls[self._next]         # a forward run again (the CPU stand-in's replay)
-        self._next = (self._next + 1) % len(self.calls)
-        call.inputs = tensors
-        self.replay(call)
+        self.on_break()
+        call = _Break(fn, inputs, self.planned[len(self.calls)])
+        self.calls.append(call)
+        self.after_break()
         return call.out
 
     def replay(self, call: _Break) -> None:
         self._compute(call.fn, call.inputs, call.out)
+
+    def _buffer(self, key: tuple, like: torch.Tensor, P: int) -> torch.Tensor:
+        full = self.store.get(key)
+        if full is None:
+            full = self.store[key] = like.new_zeros(max(P, self.max_rows or 0), *like.shape[1:])
+        return full[:P]
+
+    def _stage(self, tensors: tuple[torch.Tensor, ...], shared: str | None
+               ) -> tuple[torch.Tensor, ...]:
+        """The break's inputs copied into its input buffers."""
+        name = shared or len(self.calls)
+        staged = []
+        for j, t in enumerate(tensors):
+            buffer = self._buffer(("in", name, j, tuple(t.shape[1:]), t.dtype, t.device), t,
+                                  t.shape[0])
+            buffer.copy_(t)
+            staged.append(buffer)
+        return tuple(staged)
 
     def _compute(self, fn: SpanwiseFn, tensors: tuple[torch.Tensor, ...],
                  out: torch.Tensor | None, shared: str | None = None) -> torch.Tensor:
@@ -139,12 +164,8 @@ class Breaks:
         n = rows.rows
         y = fn(rows, *(t[:n] for t in tensors))
         if out is None:
-            P = tensors[0].shape[0]
-            key = (shared or len(self.calls), tuple(y.shape[1:]), y.dtype, y.device)
-            full = self.store.get(key)
-            if full is None:
-                full = self.store[key] = y.new_zeros(max(P, self.max_rows or 0), *y.shape[1:])
-            out = full[:P]
+            key = ("out", shared or len(self.calls), tuple(y.shape[1:]), y.dtype, y.device)
+            out = self._buffer(key, y, tensors[0].shape[0])
         out[:n] = y
         out[n:].zero_()
         return out
@@ -229,11 +250,13 @@ class PrefillGraphs:
     ``capture_all``."""
 
     def __init__(self, model: Model, cache: EngineCache, max_num_tokens: int,
-                 capture: CudaPieces | EagerPieces | None = None, scratch: int | None = None):
+                 capture: CudaPieces | EagerPieces | None = None, scratch: int | None = None,
+                 max_seq_len: int | None = None):
         self.model = model
         self.cache = cache
         self.scratch = cache.pages.slots - 1 if scratch is None else scratch
-        self.buckets = token_buckets(max_num_tokens, cache.pages.pages_per_slot * PAGE)
+        self.buckets = token_buckets(max_num_tokens, max_seq_len if max_seq_len is not None
+                                     else cache.pages.pages_per_slot * PAGE)
         self.device = model.w.device
         self.capturer = capture if capture is not None else CudaPieces(self.device)
         self.graphs: dict[int, _Graph] = {}

@@ -39,7 +39,8 @@ def _graphed(e):
     """Prefill graphs over the engine's last slot as the scratch one (the tests submit fewer
     requests than ``max_batch_size``), recording the rows of every step they serve."""
     e.prefill_graphs = PrefillGraphs(e.model, e.cache, e.config.max_num_tokens,
-                                     capture=EagerPieces(), scratch=e.config.max_batch_size - 1)
+                                     capture=EagerPieces(), scratch=e.config.max_batch_size - 1,
+                                     max_seq_len=e.config.max_seq_len)
     served: list[tuple[int, int]] = []
     step = e.prefill_graphs.step
 
@@ -77,6 +78,33 @@ def test_graphed_prefill_matches_spec_bitwise(weights, kv, state, k, budget):
         assert rep.step_kinds.get("mixed"), rep.step_kinds
     passes = cpu_tests._replay(e, weights)
     assert first_mismatch(passes) is None, first_mismatch(passes)
+
+
+def test_index_share_takes_the_selection_a_graphed_step_hands_over(weights):
+    """With IndexShare the draft layer reads the trunk's last QSA selection for the prompt rows: a
+    graphed context step hands over the one its break computed at this replay. Batch-invariant
+    runs with padded buckets give every pass the eager run's bits."""
+    from impl.model.engine import Engine
+    from impl.model.engine_config import SpeculativeConfig
+
+    runs = []
+    for graphed in (False, True):
+        config = EngineConfig(model="tiny", max_batch_size=4, max_num_tokens=36,
+                              max_seq_len=cpu_tests.MAX_LEN, batch_invariant=True,
+                              speculative=SpeculativeConfig(draft_length=3, index_share=True))
+        e = Engine(config, weights, log_calls=True)
+        if graphed:
+            _graphed(e)
+        e.force_accept = lambda rid, a, e=e: 1 + (e.steps + int(rid[1:])) % 4
+        runs.append((e, e.generate(cpu_tests._requests(cpu_tests.LENGTHS, new=6))))
+    (eager, rep_e), (graph, rep_g) = runs
+    assert any(n < b for n, b in graph.served), graph.served
+    assert {k: r.tokens for k, r in rep_e.results.items()} == \
+        {k: r.tokens for k, r in rep_g.results.items()}
+    assert [(c.kind, c.spans) for c in eager.calls] == [(c.kind, c.spans) for c in graph.calls]
+    for i, (a, b) in enumerate(zip(eager.calls, graph.calls)):
+        assert a.logits is None or torch.equal(a.logits, b.logits), f"pass {i} ({a.kind})"
+        assert a.hidden is None or torch.equal(a.hidden, b.hidden), f"pass {i} ({a.kind})"
 
 
 def test_a_full_bucket_gives_the_eager_steps_bits(weights):
@@ -186,18 +214,21 @@ def test_the_spare_slot_is_held_for_the_capture():
 
 
 def test_every_bucket_writes_the_largest_buckets_break_outputs(weights):
-    """The breaks' static outputs are three buffers at the largest bucket's rows, whatever the
-    buckets captured: the PLE rows, and one buffer each for the GDN and the QSA mixers' rows,
-    which every layer of the kind writes; the memory plan counts exactly those bytes."""
+    """The breaks' static buffers are those of three breaks at the largest bucket's rows, whatever
+    the buckets captured: the PLE embedding's, and one set each for the GDN and the QSA mixers,
+    which every layer of the kind uses; a break holds no tensor of the piece before it; the memory
+    plan counts exactly those bytes."""
     e = _graphed(cpu_tests._engine(weights, invariant=False))
     g = e.prefill_graphs
     g.capture_all()
     assert sorted(g.graphs) == [16, 32, 40]
-    assert len(g.store) == 3
+    kinds = {key[1] for key in g.store}
+    assert len(kinds) == 3 and {"gdn", "qsa"} < kinds, sorted(g.store, key=str)
     assert all(t.shape[0] == 40 for t in g.store.values())
+    held_ptrs = {t.data_ptr() for t in g.store.values()}
     for graph in g.graphs.values():
         for call in graph.breaks.calls:
-            assert any(call.out.data_ptr() == t.data_ptr() for t in g.store.values())
+            assert {call.out.data_ptr(), *(t.data_ptr() for t in call.inputs)} <= held_ptrs
     held = sum(t.numel() * t.element_size() for t in g.store.values())
     assert held == prefill_break_bytes(TINY, 40, 2)
     config = EngineConfig(model="tiny", device="cuda", max_num_tokens=40, max_seq_len=64,
@@ -209,10 +240,13 @@ def test_every_bucket_writes_the_largest_buckets_break_outputs(weights):
 
 
 class _FakeGraph:
-    """Stands in for torch.cuda.CUDAGraph: records when each piece's capture begins and ends and
-    when it replays, so the capture protocol of ``CudaPieces`` is checked without a GPU."""
+    """Stands in for torch.cuda.CUDAGraph: records when each piece's capture begins (with its pool
+    and the stream it runs on) and ends, and when it replays, so the capture protocol of
+    ``CudaPieces`` is checked without a GPU."""
 
     events: list[tuple[str, int]] = []
+    begun: list[tuple[object, object]] = []     # (pool, stream) of each capture_begin
+    active: list[object] = []                   # the streams entered, innermost last
     made = 0
 
     def __init__(self):
@@ -221,6 +255,7 @@ class _FakeGraph:
 
     def capture_begin(self, pool=None):
         self.events.append(("begin", self.id))
+        self.begun.append((pool, self.active[-1] if self.active else None))
 
     def capture_end(self):
         self.events.append(("end", self.id))
@@ -239,13 +274,20 @@ def test_cuda_pieces_capture_a_piece_around_every_break(monkeypatch):
 
     from impl.model import prefill_graphs
 
+    @contextlib.contextmanager
+    def entered(stream):
+        _FakeGraph.active.append(stream)
+        yield
+        _FakeGraph.active.pop()
+
+    side = _FakeStream()
     monkeypatch.setattr(torch.cuda, "CUDAGraph", _FakeGraph)
-    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "Stream", lambda device=None: side)
+    monkeypatch.setattr(torch.cuda, "stream", entered)
     monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: _FakeStream())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: "pool")
-    _FakeGraph.events, _FakeGraph.made = [], 0
+    _FakeGraph.events, _FakeGraph.begun, _FakeGraph.active, _FakeGraph.made = [], [], [], 0
     events = _FakeGraph.events
     breaks = Breaks(rows=StepRows.build([Span(0, 0, 4, 0, "prefill")]))
 
@@ -267,6 +309,7 @@ def test_cuda_pieces_capture_a_piece_around_every_break(monkeypatch):
     assert warm == 2 * [("break", 0), ("break", 1), ("break", 2), ("forward done", -1)]
     assert capture == [("begin", 0), ("end", 0), ("begin", 1), ("end", 1), ("begin", 2),
                        ("end", 2), ("begin", 3), ("forward done", -1), ("end", 3)]
+    assert _FakeGraph.begun == [("pool", side)] * 4       # every piece: the shared pool, side stream
     assert breaks.mode == "replay" and breaks.on_break is None and len(breaks.calls) == 3
     assert all(c.out is p for c, p in zip(breaks.calls, breaks.planned, strict=True))
     del events[:]
