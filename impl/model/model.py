@@ -73,8 +73,10 @@ class Span:
 class StepRows:
     """The rows of one step (int64 [N]): slot, absolute position, the request's length after the
     step; and ``context``, the longest of those lengths (a host int: it sizes the block table the
-    QSA ops read). Built on the host (``build``); a captured step (impl/model/graphs.py) holds them
-    on the device instead, with ``table`` (the device block table of the step's width),
+    QSA ops read). Built on the host (``build``); the first QSA layer of an eager step leaves the
+    block table it copied to the device in ``table`` for the others. A captured step
+    (impl/model/graphs.py) holds the rows on the device instead, with ``table`` (the device block
+    table of the step's width),
     ``ple_history`` (each row's n-gram history [N, 2], spans of one row only) and ``span_history``
     (each span's request history before the step [S, 2], spans of several rows), so that its
     forward reads no host value."""
@@ -326,16 +328,16 @@ class Model:
                                                   (q, k, v, a[idx], b[idx], z[idx])))
                 # the window after row i: columns i + 1 .. i + 3 of the history, [Bv, T, ch, 3]
                 record.windows[li] = hist.unfold(2, k_hist, 1)[:, :, 1:].transpose(1, 2)
-        for sp in prefill:
-            s = torch.tensor([sp.slot], device=dev)
+        for sp in prefill:   # the slot as a slice: no index tensor copied from the host
+            s = slice(sp.slot, sp.slot + 1)
             x = mixed[sp.lo:sp.hi][None]
-            y, conv = ops.conv_prefill(x, w.conv_w, pool.conv[s], geometry=geo)
+            y, conv = ops.conv_prefill(x, w.conv_w, pool.conv[s].clone(), geometry=geo)
             pool.conv[s] = conv
             q, k, v = split(y[0])
             acc = acc_dtype(mixed, w.conv_w)
             o, final = ops.gdn_prefill(q[None], k[None], v[None], a[None, sp.lo:sp.hi],
                                        b[None, sp.lo:sp.hi], w.A_log, w.dt_bias, z[None, sp.lo:sp.hi],
-                                       w.norm_w, pool.state[s].to(acc))
+                                       w.norm_w, pool.state[s].to(acc, copy=True))
             pool.state[s] = final.to(pool.state.dtype)
             out[sp.lo:sp.hi] = o[0]
         return out
@@ -423,6 +425,7 @@ class Model:
             table = cache.pages.block_table[:, :-(-axes["context"] // cfg.tokens_per_block)]
             if dev.type != "meta":  # over meta pools the tracer's ops read the table on the host
                 table = table.to(dev)
+                rows.table = table  # the step's other QSA layers read this copy
         seq_ids, positions = rows.seq_ids, rows.positions
         ops.qsa_kv_append(
             p, table, seq_ids, positions, k, v, store_k, store_v, (w.k_gs, w.v_gs),
