@@ -100,9 +100,9 @@ def table_width(context: int, max_width: int) -> int:
     return min(width, max_width)
 
 
-class CudaCapture:
-    """Captures a step's device work into a CUDA graph, after two eager runs on a side stream that
-    compile and tune every kernel; all graphs of one engine share a memory pool."""
+class CudaGraphPool:
+    """The memory pool one set of an engine's CUDA graphs shares, and the pinned host buffers
+    their static inputs are copied from."""
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -111,6 +111,11 @@ class CudaCapture:
     @staticmethod
     def host_buffer(t: torch.Tensor) -> torch.Tensor:
         return t.pin_memory()
+
+
+class CudaCapture(CudaGraphPool):
+    """Captures a step's device work into a CUDA graph, after two eager runs on a side stream that
+    compile and tune every kernel; all graphs of one engine share a memory pool."""
 
     def capture(self, forward: Callable[[], StepOutput]) -> Callable[[], StepOutput]:
         side = torch.cuda.Stream(self.device)

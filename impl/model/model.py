@@ -51,8 +51,8 @@ class Breaks(Protocol):
             ) -> torch.Tensor: ...
 
 
-# fn(rows, ids, *tensors) -> a tensor of one row per step row: ``rows`` and ``ids`` (host int64
-# [N]) the step's own, the tensors' leading axis its rows
+# fn(rows, *tensors) -> a tensor of one row per step row: ``rows`` the step's own, the tensors'
+# leading axis its rows
 SpanwiseFn = Callable[..., torch.Tensor]
 
 
@@ -207,9 +207,9 @@ class Model:
         """``fn(rows, *tensors)``: a part of the step that reads its spans on the host (the GDN
         conv and recurrence, the QSA append, selection and attention, the PLE embedding). With
         ``rows.breaks`` (a breakable prefill graph) it runs there, between captured pieces, over
-        the step's own rows; the rest of the forward reads no span. ``shared`` names an output
-        that only the forward's next stretch reads, so that the breaks of one name may write one
-        buffer (each layer's mixer rows); None: the output is read further on (the PLE rows)."""
+        the step's own rows; the rest of the forward reads no span. ``shared`` names a part whose
+        inputs and output are read only around it, so that the parts of one name (each layer's
+        mixer) may use one set of buffers; None: its output is read further on (the PLE rows)."""
         if rows.breaks is None:
             return fn(rows, *tensors)
         return rows.breaks.run(fn, *tensors, shared=shared)

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from impl.model.cache import PAGE, EngineCache
+from impl.model.graphs import CAPTURABLE_REFERENCES, HOST_READING_KERNELS, CudaGraphPool
 from impl.model.model import Model, SelectionSlot, Span, SpanwiseFn, StepOutput, StepRows
 
 # the axes by which a captured op's launch names its row count
@@ -49,7 +50,6 @@ def uncapturable_piece_calls(config, ctx) -> list[str]:
     ``piece_calls``); every one of them takes its launch's row count as its only row axis, so each
     bucket dispatches them with that axis set to the bucket."""
     from impl.model.dispatch import Dispatcher  # noqa: PLC0415
-    from impl.model.graphs import CAPTURABLE_REFERENCES, HOST_READING_KERNELS  # noqa: PLC0415
     from impl.model.trace import Chunk, Scenario, piece_calls  # noqa: PLC0415
 
     buckets = token_buckets(config.max_num_tokens, config.max_seq_len)
@@ -171,19 +171,11 @@ class Breaks:
         return out
 
 
-class CudaPieces:
+class CudaPieces(CudaGraphPool):
     """Captures a prefill step's forward into one CUDA graph piece per stretch between breaks,
     after two eager runs on a side stream that compile and tune every kernel and leave each
     break's static output; while capturing, a break runs nothing (its inputs are not computed
     until a replay). Every piece of one engine's graphs shares a memory pool."""
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
-
-    @staticmethod
-    def host_buffer(t: torch.Tensor) -> torch.Tensor:
-        return t.pin_memory()
 
     def capture(self, forward: Callable[[], StepOutput], breaks: Breaks) -> Callable[[], StepOutput]:
         side = torch.cuda.Stream(self.device)
@@ -306,7 +298,8 @@ class PrefillGraphs:
         hidden rows returned are a view of the graph's static output, valid until the next
         replay; the logits are read out eagerly."""
         n = sum(sp.rows for sp in spans)
-        g = self.graphs.get(self.bucket(n)) or self.capture(self.bucket(n))
+        P = self.bucket(n)
+        g = self.graphs.get(P) or self.capture(P)
         host_ids = torch.tensor(ids, dtype=torch.int64)
         g.staged[:n] = host_ids
         g.staged[n:] = self.model.cfg.pad_id

@@ -27,6 +27,7 @@ from spec.config import ModelConfig
 from spec.model import init_weights
 from tests.engine import test_engine as cpu_tests
 from tests.engine.spec_replay import first_mismatch
+from tests.engine.test_prefill_graphs import same_trunk_passes
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -119,20 +120,6 @@ def test_decode_graph_replay_equals_eager_at_a_full_bucket(target4, kv, state):
     assert _full_bucket_steps(runs) >= 4
 
 
-def _prefill_full_buckets(runs) -> int:
-    """Compare the trunk passes of an eager and a prefill-graphed engine whose context and mixed
-    steps fill their buckets; returns how many passes held prompt rows."""
-    trunk = [[c for c in e.calls if c.kind == "trunk"] for e in runs]
-    assert runs[1].prefill_graphs.replays > 0
-    assert [c.spans for c in trunk[0]] == [c.spans for c in trunk[1]]
-    compared = 0
-    for i, (a, b) in enumerate(zip(*trunk)):
-        assert torch.equal(a.logits, b.logits), f"trunk pass {i}: replay differs from eager"
-        assert torch.equal(a.hidden, b.hidden), f"trunk pass {i}: hidden rows differ from eager"
-        compared += any(mode == "prefill" for *_, mode in a.spans)
-    return compared
-
-
 @pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32")])
 def test_tiny_prefill_graph_equals_eager_at_full_buckets(gpu_weights, kv, state):
     # prompts of 64 and 15 tokens under a 32-token budget: context steps of 32 rows, then a mixed
@@ -143,7 +130,7 @@ def test_tiny_prefill_graph_equals_eager_at_full_buckets(gpu_weights, kv, state)
                               device="cuda", prefill_graph=graph)
         e.generate(cpu_tests._requests([64, 15], new=3))
         runs.append(e)
-    assert _prefill_full_buckets(runs) >= 3
+    assert same_trunk_passes(runs) >= 3
 
 
 @pytest.mark.parametrize("kv,state,k", [("bf16", "fp32", None), ("nvfp4", "bf16", None),
@@ -169,7 +156,7 @@ def test_target_prefill_graph_equals_eager_at_full_buckets(target4, kv, state):
         e.generate([Request(request_id="r0", max_new_tokens=2, prompt=tuple(
             torch.randint(0, cfg.vocab_size, (128,), generator=gen).tolist()))])
         runs.append(e)
-    assert _prefill_full_buckets(runs) >= 2
+    assert same_trunk_passes(runs) >= 2
 
 
 def test_the_target_runs_gdn_prefill_at_its_bf16_operands_tier_on_the_gpu(target4):

@@ -52,6 +52,20 @@ def _graphed(e):
     return e
 
 
+def same_trunk_passes(runs) -> int:
+    """Assert that an eager and a prefill-graphed engine (``runs``) ran the same trunk passes with
+    the same logits and hidden rows, bit for bit; returns how many held prompt rows."""
+    trunk = [[c for c in e.calls if c.kind == "trunk"] for e in runs]
+    assert runs[1].prefill_graphs.replays > 0
+    assert [c.spans for c in trunk[0]] == [c.spans for c in trunk[1]]
+    compared = 0
+    for i, (a, b) in enumerate(zip(*trunk)):
+        assert torch.equal(a.logits, b.logits), f"trunk pass {i}: logits differ from eager"
+        assert torch.equal(a.hidden, b.hidden), f"trunk pass {i}: hidden rows differ from eager"
+        compared += any(mode == "prefill" for *_, mode in a.spans)
+    return compared
+
+
 def test_token_buckets():
     assert token_buckets(8192, 131072) == (16, 32, 64, 128, 256, 512, 1024, 2048, 3072, 4096,
                                            6144, 8192)
@@ -119,20 +133,13 @@ def test_a_full_bucket_gives_the_eager_steps_bits(weights):
         e.generate(cpu_tests._requests([64, 15], new=3))
         runs.append(e)
     assert runs[1].served and all(n == b for n, b in runs[1].served), runs[1].served
-    trunk = [[c for c in e.calls if c.kind == "trunk"] for e in runs]
-    assert [c.spans for c in trunk[0]] == [c.spans for c in trunk[1]]
-    compared = 0
-    for i, (a, b) in enumerate(zip(*trunk)):
-        assert torch.equal(a.logits, b.logits), f"trunk pass {i}: logits differ from eager"
-        assert torch.equal(a.hidden, b.hidden), f"trunk pass {i}: hidden rows differ from eager"
-        compared += any(mode == "prefill" for *_, mode in a.spans)
-    assert compared >= 3
+    assert same_trunk_passes(runs) >= 3
 
 
 def test_a_padded_prompt_emits_the_eager_tokens(weights):
-    # default mode: a 37-token prompt runs in buckets 40 and 16 (chunks of 32... under a 40-token
-    # budget: 37 rows, then decode); padding rows never reach a break, so the requests' caches are
-    # the eager run's, and the greedy tokens agree
+    # default mode: prompts of 37 and 11 tokens under a 40-token budget, in context and mixed
+    # steps, one of them padded at least; padding rows never reach a break, so the requests' caches
+    # are the eager run's, and the greedy tokens agree
     reps = []
     for graphed in (False, True):
         e = cpu_tests._engine(weights, invariant=False)
