@@ -177,7 +177,7 @@ class EngineConfig(BaseModel):
     enable_block_reuse: bool = False
     speculative: SpeculativeConfig | None = None
     batch_invariant: bool = False
-    cuda_graphs: bool = False     # decode steps replay captured graphs (impl/model/graphs.py)
+    cuda_graphs: bool = False     # decode and verify trunks replay captured graphs (impl/model/graphs.py)
     # context and mixed steps replay a graph of their token bucket, broken around the parts that
     # read the step's spans (impl/model/prefill_graphs.py); rule breakable_prefill_graph_on_cuda
     prefill_graph: PrefillGraph = "eager"
@@ -615,10 +615,6 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
         return None
     if c.device != "cuda":
         return f"cuda_graphs needs device 'cuda' (the configuration's device is {c.device!r})"
-    if c.speculative is not None:
-        return ("cuda_graphs captures decode steps only on cuda: a verify step's sparse attention "
-                "(qsa_sparse_gqa triton_rows) reads its tile count on the host, which a graph cannot "
-                "capture; turn speculation off or cuda_graphs off")
     if c.batch_invariant or c.torch_only:
         what = "batch-invariant mode" if c.batch_invariant else "torch_only"
         return (f"cuda_graphs is captured over the fast variants, not checked with {what}: turn "
@@ -627,7 +623,8 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
 
     bad = uncapturable_calls(c, ctx)
     if bad:
-        return (f"a decode step of this geometry dispatches {', '.join(bad)}: variants that read "
+        step = "a verify" if c.speculative is not None else "a decode"
+        return (f"{step} step of this geometry dispatches {', '.join(bad)}: variants that read "
                 "values on the host (references, HOST_READING_KERNELS), which a CUDA graph cannot "
                 "capture")
     return None
@@ -821,8 +818,8 @@ RULES: list[Rule] = [
          "Every op given a numerics tier declares that tier, and a variant of the tier runs on the "
          "arch (in batch-invariant mode, a reference variant of it).", _numerics_tiers),
     Rule("cuda_graphs_capture_on_cuda",
-         "CUDA graphs run on cuda, for decode steps without speculation, outside batch-invariant "
-         "mode and torch_only.", _cuda_graphs),
+         "CUDA graphs run on cuda, for decode and verify steps whose variants read no value on "
+         "the host, outside batch-invariant mode and torch_only.", _cuda_graphs),
     Rule("breakable_prefill_graph_on_cuda",
          "The breakable prefill graph runs on cuda, outside batch-invariant mode and torch_only, "
          "and captures no variant that reads values on the host.", _prefill_graph),

@@ -6,9 +6,10 @@
 - Default mode dispatches the sm_90 kernels (Triton, Gluon, FlashInfer where installed): the logits
   are held to the bound tests/engine/test_engine.py derives on the CPU (engine error against the
   float64 ideal at most 2x the spec's own bf16 error + 2^-9), and the kernels must have run.
-- CUDA-graph decode (impl/model/graphs.py), on the tiny model and on the target geometry cut to 4
-  layers: at a full batch bucket every decode step's replay gives the eager step's logits bit for
-  bit; with padding rows the tiny model's logits keep the default mode's bound.
+- CUDA-graph decode and verify (impl/model/graphs.py), on the tiny model and on the target geometry
+  cut to 4 layers: at a full batch bucket every decode step's replay, and every verify step's at
+  draft length 3, gives the eager step's logits bit for bit; with padding rows the tiny model's
+  logits keep the default mode's bound.
 - The breakable prefill graph (impl/model/prefill_graphs.py), on the tiny model and on the target
   cut to 4 layers: a context or mixed step that fills its token bucket gives the eager step's logits
   and hidden rows bit for bit; padded steps keep the default mode's bound.
@@ -21,7 +22,7 @@ import torch
 
 from impl.model.admission import Request
 from impl.model.engine import Engine
-from impl.model.engine_config import ConfigRefused, EngineConfig
+from impl.model.engine_config import ConfigRefused, EngineConfig, SpeculativeConfig
 from impl.model.placement import to_device
 from spec.config import ModelConfig
 from spec.model import init_weights
@@ -64,9 +65,11 @@ def target4():
     return cfg, init_weights(cfg, seed=0, dtype=torch.bfloat16, device="cuda")
 
 
-def _target_decode(cfg, weights, graphs: bool, kv: str, state: str) -> Engine:
+def _target_decode(cfg, weights, graphs: bool, kv: str, state: str, k: int | None = None
+                   ) -> Engine:
     config = EngineConfig(model="target", device="cuda", kv_cache_dtype=kv, state_dtype=state,
-                          max_batch_size=4, max_num_tokens=64, max_seq_len=96, cuda_graphs=graphs)
+                          max_batch_size=4, max_num_tokens=64, max_seq_len=96, cuda_graphs=graphs,
+                          speculative=None if k is None else SpeculativeConfig(draft_length=k))
     e = Engine(config, weights, cfg=cfg, log_calls=True)
     gen = torch.Generator().manual_seed(3)
     e.generate([Request(request_id=f"r{i}", max_new_tokens=8,
@@ -75,18 +78,19 @@ def _target_decode(cfg, weights, graphs: bool, kv: str, state: str) -> Engine:
     return e
 
 
-def _full_bucket_steps(runs) -> int:
-    """Compare the decode steps of an eager and a graphed engine that hold all four rows, up to the
-    first step whose rows differ (a padded step chose another token); returns how many."""
-    decode = [[c for c in e.calls if c.kind == "trunk" and all(m == "decode" for *_, m in c.spans)]
-              for e in runs]
-    assert runs[1].graphs.replays == len(decode[1])
+def _full_bucket_steps(runs, kind: str = "decode") -> int:
+    """Compare the decode (or verify) steps of an eager and a graphed engine that hold all four
+    requests, up to the first step whose rows differ (a padded step chose another token); returns
+    how many."""
+    steps = [[c for c in e.calls if c.kind == "trunk" and all(m == kind for *_, m in c.spans)]
+             for e in runs]
+    assert runs[1].graphs.replays == len(steps[1])
     compared = 0
-    for i, (a, b) in enumerate(zip(*decode)):
+    for i, (a, b) in enumerate(zip(*steps)):
         if a.spans != b.spans:
             break
         if len(a.spans) == 4:
-            assert torch.equal(a.logits, b.logits), f"decode step {i}: replay differs from eager"
+            assert torch.equal(a.logits, b.logits), f"{kind} step {i}: replay differs from eager"
             compared += 1
     return compared
 
@@ -100,6 +104,17 @@ def test_tiny_decode_graph_replay_equals_eager_at_a_full_bucket(gpu_weights, kv,
         e.generate(cpu_tests._requests([21, 21, 21, 21], new=8))
         runs.append(e)
     assert _full_bucket_steps(runs) >= 4
+
+
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32")])
+def test_tiny_verify_graph_replay_equals_eager_at_a_full_bucket(gpu_weights, kv, state):
+    runs = []
+    for graphs in (False, True):
+        e = cpu_tests._engine(gpu_weights, kv=kv, state=state, k=3, invariant=False, batch=4,
+                              device="cuda", graphs=graphs)
+        e.generate(cpu_tests._requests([21, 21, 21, 21], new=8))
+        runs.append(e)
+    assert _full_bucket_steps(runs, "verify") >= 2
 
 
 @pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("nvfp4", "bf16")])
@@ -157,6 +172,15 @@ def test_target_prefill_graph_equals_eager_at_full_buckets(target4, kv, state):
             torch.randint(0, cfg.vocab_size, (128,), generator=gen).tolist()))])
         runs.append(e)
     assert same_trunk_passes(runs) >= 2
+
+
+@pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32")])
+def test_verify_graph_replay_equals_eager_at_a_full_bucket(target4, kv, state):
+    # Draft length 3: verify steps of four requests of 4 rows each (bucket 4 full) until the first
+    # request ends; their replays must give the eager steps' logits bit for bit.
+    cfg, weights = target4
+    runs = [_target_decode(cfg, weights, graphs, kv, state, k=3) for graphs in (False, True)]
+    assert _full_bucket_steps(runs, "verify") >= 2
 
 
 def test_the_target_runs_gdn_prefill_at_its_bf16_operands_tier_on_the_gpu(target4):

@@ -367,11 +367,22 @@ def _rows_kernel(q, gate, out, tile_rows, tile_seq, union_tok, union_cnt, union_
 _BIG = 1 << 62  # sorts after every token position
 
 
-def row_tiles(tokens: torch.Tensor, seq_ids: torch.Tensor, rows_per_tile: int):
+def graph_capturing(t: torch.Tensor) -> bool:
+    """Whether a launch on ``t``'s device is being captured into a CUDA graph."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def row_tiles(tokens: torch.Tensor, seq_ids: torch.Tensor, rows_per_tile: int,
+              static: bool = False):
     """Host-side grouping (torch, on the device): rows of one request, in launch order, in tiles of
     ``rows_per_tile``; per tile the ascending union of its rows' tokens and each row's multiplicity of
     each union token. Returns (tile_rows int64 [T, R] (-1 = empty place), tile_seq [T],
-    union int64 [T, U], counts uint8 [T, R, U], union_len int32 [T]). Two host syncs (T and U)."""
+    union int64 [T, U], counts uint8 [T, R, U], union_len int32 [T]).
+
+    Sized exactly (``static=False``), T and U are read on the host (two syncs). Under CUDA-graph
+    capture (``static=True``) they take their bounds instead, T = n (a tile a row) and U = R x W,
+    read nothing on the host, and give the same tiles in the same order: the places past a tile's
+    union and the tiles past the last are empty (-1, length 0), which the kernel skips."""
     n, w = tokens.shape
     dev = tokens.device
     idx = torch.arange(n, device=dev)
@@ -383,11 +394,12 @@ def row_tiles(tokens: torch.Tensor, seq_ids: torch.Tensor, rows_per_tile: int):
     rank = idx - grp_start
     brk = new_grp | (rank % rows_per_tile == 0)
     tile_id = torch.cumsum(brk.long(), 0) - 1
-    n_tiles = int(tile_id[-1]) + 1
+    n_tiles = n if static else int(tile_id[-1]) + 1
     place = rank % rows_per_tile
     tile_rows = torch.full((n_tiles, rows_per_tile), -1, dtype=torch.int64, device=dev)
     tile_rows[tile_id, place] = order
-    tile_seq = seq_sorted[brk].contiguous()
+    # every row of a tile is of the tile's request: each writes the same value
+    tile_seq = torch.zeros(n_tiles, dtype=torch.int64, device=dev).index_put_((tile_id,), seq_sorted)
     tt = torch.full((n_tiles, rows_per_tile, w), -1, dtype=torch.int64, device=dev)
     tt[tile_id, place] = tokens[order].long()
     key = torch.where(tt >= 0, tt, _BIG)
@@ -397,7 +409,7 @@ def row_tiles(tokens: torch.Tensor, seq_ids: torch.Tensor, rows_per_tile: int):
     first[:, 1:] = flat[:, 1:] != flat[:, :-1]
     first &= flat != _BIG
     union_len = first.sum(1)
-    u = max(1, int(union_len.max()))
+    u = rows_per_tile * w if static else max(1, int(union_len.max()))
     union = torch.where(first, flat, _BIG).sort(dim=1).values[:, :u]
     probe = union[:, None, :].expand(n_tiles, rows_per_tile, u).reshape(-1, u).contiguous()
     hay = row_sorted.reshape(-1, w).contiguous()
@@ -427,7 +439,8 @@ def triton_rows(q: torch.Tensor, gate: torch.Tensor, tokens: torch.Tensor, seq_i
         # the CPU certifies the GPU's tiling
         r = max(1, min(r, _NVFP4_MAX_M // _nvfp4_group_pad(g)))
     g_pad = max(triton.next_power_of_2(g), triton.cdiv(16, r))  # the dots' M = r * g_pad >= 16
-    tile_rows, tile_seq, union, cnt, union_len = row_tiles(tokens, seq_ids, r)
+    tile_rows, tile_seq, union, cnt, union_len = row_tiles(tokens, seq_ids, r,
+                                                           static=graph_capturing(q))
     block_n = block_n or (64 if INTERPRETING else 32)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     _rows_kernel[(tile_rows.shape[0], n_kv)](
