@@ -68,11 +68,29 @@ class Variant(Strict):
         "the numerics tier this variant claims: 'exact' (the op's spec, the cells' oracles) or a "
         "tier of the op's numerics (its spec path, its bands); a variant is certified and "
         "dispatched within its tier only"))
-    batch_invariant: bool = True
+    batch_invariant: bool | tuple[Arch, ...] = Field(True, description=(
+        "whether a row's result depends neither on the other rows of a launch, nor on the batch "
+        "size, nor on row order, bit for bit (the harness's metamorphic checks test it): true on "
+        "every arch the variant runs on, false on none, or the archs it holds on"))
     specialisations: int = Field(1, ge=1, description=(
         "compiled specialisations of this variant (e.g. tile configurations chosen per shape): the "
         "at-most-three-cells rule allows as many cells as specialisations when they are more than three"))
     doc: str = Field("", json_schema_extra=NOT_HASHED)
+
+    def invariant_on(self, arch: str) -> bool:
+        """Whether the variant claims batch invariance on ``arch``."""
+        claim = self.batch_invariant
+        return claim if isinstance(claim, bool) else arch in claim
+
+    @model_validator(mode="after")
+    def _invariant_on_its_archs(self) -> Variant:
+        claim = self.batch_invariant
+        if not isinstance(claim, bool):
+            outside = [a for a in claim if a not in self.archs]
+            if outside:
+                raise ValueError(f"batch_invariant names {', '.join(outside)}, where the variant "
+                                 f"does not run (archs: {', '.join(self.archs)})")
+        return self
 
     @field_validator("dispatch")
     @classmethod

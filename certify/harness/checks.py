@@ -42,7 +42,7 @@ def certify_checked(op: OpFile, variant_name: str, cell: Cell, arch: str
                                     for c in CHECKS}, 0.0)
     outcome = certify_cell(op, variant_name, cell, arch, impl_override=probe)
     t0 = time.perf_counter()
-    verdicts = run_checks(op, variant_name, cell, probe, outcome)
+    verdicts = run_checks(op, variant_name, cell, arch, probe, outcome)
     rec = record(op, verdicts, time.perf_counter() - t0)
     fold(outcome, op, variant_name, cell, arch, verdicts)
     return outcome, rec
@@ -57,7 +57,7 @@ def probe_for(op: OpFile, variant_name: str, cell: Cell, arch: str) -> adversari
                              build_case(op, cell, device_for(arch)))
 
 
-def run_checks(op: OpFile, variant_name: str, cell: Cell, probe: adversarial.Probe,
+def run_checks(op: OpFile, variant_name: str, cell: Cell, arch: str, probe: adversarial.Probe,
                outcome: Outcome) -> dict[str, str]:
     verdicts = dict(probe.verdicts)
     if probe.first is None:
@@ -70,7 +70,7 @@ def run_checks(op: OpFile, variant_name: str, cell: Cell, probe: adversarial.Pro
                            for c in CHECKS if c not in verdicts}
     contract = contract_of(op)
     seed = seed_for(op.op, cell.id)
-    meta = metamorphic.check(probe, variant.batch_invariant, contract, seed)
+    meta = metamorphic.check(probe, variant.invariant_on(arch), contract, seed)
     if meta["rows_order"] == adversarial.PASSED:
         # that call ran into the first call's dirty buffers and gave its bytes, row for row
         verdicts["dirty_reuse"] = adversarial.PASSED

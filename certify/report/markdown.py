@@ -155,7 +155,7 @@ def op_markdown(op: OpFile, rows: list[Row], reach: ReachFile | None = None,
     md += ["## Variants", "", tabulate(
         [[v.name, f"`{op.impl_path(v)}`" + (" (the spec's own low-precision path)"
                                             if v.impl == "spec" else ""), ", ".join(v.archs), f"`{v.dispatch}`",
-          v.numerics, "yes" if v.batch_invariant else "no"] for v in op.variants],
+          v.numerics, _invariance_text(v)] for v in op.variants],
         headers=["variant", "impl", "archs", "dispatch rule", "numerics", "batch-invariant"],
         tablefmt="github"), ""]
     md += ["## Cells", "", tabulate(
@@ -289,3 +289,10 @@ def write_reports(reports_dir: Path, catalog: Catalog, rows: list[Row], extras: 
             if f"ops/{old.name}" not in rendered:
                 old.unlink()
     return [reports_dir / rel for rel in rendered]
+
+
+def _invariance_text(v) -> str:
+    claim = v.batch_invariant
+    if isinstance(claim, bool):
+        return "yes" if claim else "no"
+    return "on " + ", ".join(claim)

@@ -39,12 +39,12 @@ def gpu_weights(weights):
 
 
 def test_batch_invariant_mode_is_refused_on_the_gpu(gpu_weights):
-    """The GDN references fail their batch-invariance checks on sm_90 (their cells' expected
-    failures): the mode refuses the GPU up front, naming its rule and the ops."""
+    """The GDN references fail their batch-invariance checks on sm_90 and claim batch invariance on
+    the CPU only: the mode refuses the GPU up front, naming its rule and the ops."""
     with pytest.raises(ConfigRefused) as e:
         cpu_tests._engine(gpu_weights, device="cuda")
     assert "batch_invariant_references_hold" in str(e.value)
-    assert "gdn_decode's spec_lowp is declared to fail" in str(e.value)
+    assert "gdn_decode's spec_lowp claims no batch invariance on sm_90" in str(e.value)
 
 
 @pytest.mark.parametrize("kv,state,k", [

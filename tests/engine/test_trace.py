@@ -91,8 +91,8 @@ def test_a_mode_the_engine_refuses_is_recorded_with_the_rules_reason():
     traces = TRACER.trace(sc, cut, [Mode("sm_90", True)])
     refused = traces["sm_90/batch_invariant"].refused
     assert "ops_run_on_the_arch" in refused and "of moe runs on sm_90" in refused, refused
-    # the project's catalog runs it on the CPU; on sm_90 its GDN references are declared to fail
-    # their batch-invariance checks, so the mode is refused there by that rule
+    # the project's catalog runs it on the CPU; on sm_90 its GDN references claim no batch
+    # invariance (they fail the checks there), so the mode is refused there by that rule
     assert TRACER.trace(sc, CATALOG, [Mode("cpu", True)])["cpu/batch_invariant"].refused is None
     refused = TRACER.trace(sc, CATALOG, [Mode("sm_90", True)])["sm_90/batch_invariant"].refused
     assert refused.startswith("batch_invariant_references_hold: gdn_decode's spec_lowp"), refused
