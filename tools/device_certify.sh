@@ -2,9 +2,11 @@
 # Certification calls on the GPU machine, after the staged wheels are installed
 # (../shared/device/stage-gpu-wheels.sh). Run from the repository root there:
 #
-#     bash tools/device_certify.sh receipts [SECONDS]   # sm_90 receipts not yet fresh, for at most SECONDS
-#     bash tools/device_certify.sh engine [PYTEST_ARGS...]  # GPU engine tests (at most 470 s), then
-#                                       # the README's generate on cuda in what is left of 590 s
+#     bash tools/device_certify.sh receipts [SECONDS] [JOBS]  # sm_90 receipts not yet fresh, for at most
+#                                       # SECONDS, in JOBS processes (default 1)
+#     bash tools/device_certify.sh engine [PYTEST_ARGS...]  # GPU engine tests (at most ENGINE_TESTS_S,
+#                                       # default 470 s), then the README's generate on cuda in what is
+#                                       # left of CALL_S (default 590 s)
 #     bash tools/device_certify.sh bench   # bench/prefill_graph.py, then bench/engine.py with
 #                                       # speculation (eager, graphs, all_graphs), under 590 s
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
@@ -25,9 +27,20 @@ shift
 } > "$out/versions.txt" 2>&1
 
 if [ "$part" = receipts ]; then
+  limit=${1:-500}
+  jobs=${2:-1}
   t0=$(date +%s)
-  timeout "${1:-500}" python3 -m certify.cli run --arch sm_90 --outdated > "$out/run.log" 2>&1
-  echo "certify run --arch sm_90 --outdated: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/run.log"
+  # JOBS processes, each over a group of ops balanced by the seconds of their last sm_90 receipts;
+  # each merges its receipts under the receipts directory's lock as it goes.
+  python3 tools/op_groups.py "$jobs" reports/receipts/sm_90.jsonl > "$out/groups.txt"
+  i=0
+  while read -r group; do
+    i=$((i+1))
+    timeout "$limit" python3 -m certify.cli run --arch sm_90 --outdated $group > "$out/run$i.log" 2>&1 &
+  done < "$out/groups.txt"
+  wait
+  cat "$out"/run[0-9]*.log > "$out/run.log"; rm -f "$out"/run[0-9]*.log
+  echo "certify run --arch sm_90 --outdated in $jobs processes: $(( $(date +%s) - t0 )) s" | tee -a "$out/run.log"
   cp reports/receipts/sm_90.jsonl "$out/sm_90.jsonl"
   tail -5 "$out/run.log"
   exit 0
@@ -62,12 +75,12 @@ if [ "$part" = bench ]; then
 fi
 
 t0=$(date +%s)
-timeout 470 python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py "$@" \
+timeout "${ENGINE_TESTS_S:-470}" python3 -m pytest -q -p no:cacheprovider tests/engine/test_engine_gpu.py "$@" \
     > "$out/gpu_tests.log" 2>&1
 echo "GPU engine tests: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/gpu_tests.log"
 tail -15 "$out/gpu_tests.log"
 
-left=$(( 590 - ($(date +%s) - t0) ))
+left=$(( ${CALL_S:-590} - ($(date +%s) - t0) ))
 t1=$(date +%s)
 timeout "$left" python3 -m impl.model.cli generate --random-weights --prompt "hello" \
     --draft-length 3 --device cuda > "$out/generate.log" 2>&1
