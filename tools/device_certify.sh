@@ -8,7 +8,8 @@
 #                                       # default 470 s), then the README's generate on cuda in what is
 #                                       # left of CALL_S (default 590 s)
 #     bash tools/device_certify.sh bench   # bench/prefill_graph.py, then bench/engine.py with
-#                                       # speculation (eager, graphs, all_graphs), under 590 s
+#                                       # speculation (eager, graphs, all_graphs), under CALL_S (590 s;
+#                                       # the prefill bench at most PREFILL_S, 300 s, with PREFILL_ARGS)
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -61,10 +62,10 @@ fi
 
 if [ "$part" = bench ]; then
   t0=$(date +%s)
-  timeout 300 python3 bench/prefill_graph.py --out "$out" > "$out/prefill_graph.log" 2>&1
+  timeout "${PREFILL_S:-300}" python3 bench/prefill_graph.py --out "$out" ${PREFILL_ARGS:-} > "$out/prefill_graph.log" 2>&1
   echo "bench/prefill_graph.py: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/prefill_graph.log"
   tail -22 "$out/prefill_graph.log"
-  left=$(( 590 - ($(date +%s) - t0) ))
+  left=$(( ${CALL_S:-590} - ($(date +%s) - t0) ))
   t1=$(date +%s)
   timeout "$left" python3 bench/engine.py --prompt-len 1024 --batch 1,32,128 \
       --modes eager,graphs,all_graphs --draft-length 3 --new-tokens 8 --out "$out/bv" \
