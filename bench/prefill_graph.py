@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         g.capture(b)
         sync(cuda)
         per_bucket.append((b, time.perf_counter() - t1))
+        print(f"captured bucket {b} in {per_bucket[-1][1]:.2f} s", flush=True)
     boot = time.perf_counter() - t0
     pool = (torch.cuda.memory_reserved() - before) if cuda else 0
     lengths = [int(n) for n in args.lengths.split(",")]
