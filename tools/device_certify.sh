@@ -9,7 +9,8 @@
 #                                       # left of CALL_S (default 590 s)
 #     bash tools/device_certify.sh bench   # bench/prefill_graph.py, then bench/engine.py with
 #                                       # speculation (eager, graphs, all_graphs), under CALL_S (590 s;
-#                                       # the prefill bench at most PREFILL_S, 300 s, with PREFILL_ARGS)
+#                                       # the prefill bench at most PREFILL_S, 300 s, with PREFILL_ARGS;
+#                                       # the engine bench at BATCHES, 1,32,128)
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -67,7 +68,7 @@ if [ "$part" = bench ]; then
   tail -22 "$out/prefill_graph.log"
   left=$(( ${CALL_S:-590} - ($(date +%s) - t0) ))
   t1=$(date +%s)
-  timeout "$left" python3 bench/engine.py --prompt-len 1024 --batch 1,32,128 \
+  timeout "$left" python3 bench/engine.py --prompt-len 1024 --batch "${BATCHES:-1,32,128}" \
       --modes eager,graphs,all_graphs --draft-length 3 --new-tokens 8 --out "$out/bv" \
       > "$out/engine_bench.log" 2>&1
   echo "bench/engine.py with draft 3: rc $? in $(( $(date +%s) - t1 )) s" | tee -a "$out/engine_bench.log"
