@@ -35,6 +35,14 @@ def _cmd_run(args: argparse.Namespace) -> int:
     catalog = load_catalog(paths.cells)
     for e in catalog.errors:
         print(f"error: {e}", file=sys.stderr)
+    absent = [] if args.ray else [a for a in args.arch or [] if a not in present_archs()]
+    if absent:
+        # A target of an arch this machine lacks could only fail; its error receipt would replace
+        # the receipt made where the arch is.
+        print(f"error: certify run --arch {', '.join(absent)}: not on this machine (it has "
+              f"{', '.join(present_archs())}); run it where the arch is, or through --ray",
+              file=sys.stderr)
+        return 2
     chosen = select(catalog, args.op, args.tier, args.arch, only_outdated=args.outdated,
                     receipts_dir=paths.receipts)
     ray_ok = True

@@ -34,14 +34,15 @@ if [ "$part" = receipts ]; then
   t0=$(date +%s)
   # JOBS processes, each over a group of ops balanced by the seconds of their last sm_90 receipts;
   # each merges its receipts under the receipts directory's lock as it goes.
-  python3 tools/op_groups.py "$jobs" reports/receipts/sm_90.jsonl > "$out/groups.txt"
+  work=$(mktemp -d)
+  python3 tools/op_groups.py "$jobs" reports/receipts/sm_90.jsonl > "$work/groups"
   i=0
   while read -r group; do
     i=$((i+1))
-    timeout "$limit" python3 -m certify.cli run --arch sm_90 --outdated $group > "$out/run$i.log" 2>&1 &
-  done < "$out/groups.txt"
+    timeout "$limit" python3 -m certify.cli run --arch sm_90 --outdated $group > "$work/run$i.log" 2>&1 &
+  done < "$work/groups"
   wait
-  cat "$out"/run[0-9]*.log > "$out/run.log"; rm -f "$out"/run[0-9]*.log
+  cat "$work"/run[0-9]*.log > "$out/run.log"
   echo "certify run --arch sm_90 --outdated in $jobs processes: $(( $(date +%s) - t0 )) s" | tee -a "$out/run.log"
   cp reports/receipts/sm_90.jsonl "$out/sm_90.jsonl"
   tail -5 "$out/run.log"
