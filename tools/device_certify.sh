@@ -10,7 +10,9 @@
 #     bash tools/device_certify.sh bench   # bench/prefill_graph.py, then bench/engine.py with
 #                                       # speculation (eager, graphs, all_graphs), under CALL_S (590 s;
 #                                       # the prefill bench at most PREFILL_S, 300 s, with PREFILL_ARGS;
-#                                       # the engine bench at BATCHES, 1,32,128)
+#                                       # the engine bench at BATCHES, 1,32,128, with ENGINE_ARGS)
+#     bash tools/device_certify.sh session  # receipts (RECEIPTS_S, JOBS) beside the engine tests
+#                                       # (TESTS_S), then bench in what is left of CALL_S (575 s)
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -27,6 +29,28 @@ shift
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
 } > "$out/versions.txt" 2>&1
+
+if [ "$part" = session ]; then
+  # One call: the receipts in JOBS processes beside the GPU engine tests (the prefill and verify
+  # graph tests first), then, with the GPU to itself, the benches in what is left of CALL_S.
+  t0=$(date +%s)
+  work=$(mktemp -d)
+  bash "$0" receipts "${RECEIPTS_S:-290}" "${JOBS:-4}" > "$work/receipts.txt" 2>&1 &
+  tests=tests/engine/test_engine_gpu.py
+  first="prefill_graph or verify_graph"
+  timeout "${TESTS_S:-290}" python3 -m pytest -v -p no:cacheprovider "$tests" -k "$first" \
+      > "$out/gpu_tests.log" 2>&1
+  echo "GPU engine tests ($first): rc $?" | tee -a "$out/gpu_tests.log"
+  left=$(( ${TESTS_S:-290} - ($(date +%s) - t0) ))
+  timeout "$left" python3 -m pytest -v -p no:cacheprovider "$tests" -k "not ($first)" \
+      >> "$out/gpu_tests.log" 2>&1
+  echo "GPU engine tests (the others): rc $? after $(( $(date +%s) - t0 )) s" | tee -a "$out/gpu_tests.log"
+  grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests.log" | tail -12
+  wait
+  cat "$work/receipts.txt"
+  CALL_S=$(( ${CALL_S:-575} - ($(date +%s) - t0) )) bash "$0" bench
+  exit 0
+fi
 
 if [ "$part" = receipts ]; then
   limit=${1:-500}
@@ -68,9 +92,10 @@ if [ "$part" = bench ]; then
   echo "bench/prefill_graph.py: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/prefill_graph.log"
   tail -22 "$out/prefill_graph.log"
   left=$(( ${CALL_S:-590} - ($(date +%s) - t0) ))
+  [ "$left" -ge 30 ] || { echo "no time left for bench/engine.py"; exit 0; }
   t1=$(date +%s)
   timeout "$left" python3 bench/engine.py --prompt-len 1024 --batch "${BATCHES:-1,32,128}" \
-      --modes eager,graphs,all_graphs --draft-length 3 --new-tokens 8 --out "$out/bv" \
+      --modes eager,graphs,all_graphs --draft-length 3 --new-tokens 8 --out "$out/bv" ${ENGINE_ARGS:-} \
       > "$out/engine_bench.log" 2>&1
   echo "bench/engine.py with draft 3: rc $? in $(( $(date +%s) - t1 )) s" | tee -a "$out/engine_bench.log"
   tail -12 "$out/engine_bench.log"
