@@ -473,7 +473,8 @@ class Ops:
             return res["out"]
         q, k, v, a, b, z = (t.contiguous() for t in (q, k, v, a, b, z))
         out = torch.empty_like(z)
-        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots.to(state_pool.device),
+        slots = slots.to(state_pool.device).contiguous()   # a strided view of seq_ids
+        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots,
            out=out)
         return out
 
@@ -489,7 +490,8 @@ class Ops:
         B, T, HV, V = v.shape
         out = torch.empty_like(z)
         states = torch.empty(B, T, HV, q.shape[-1], V, dtype=state_pool.dtype, device=v.device)
-        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots.to(state_pool.device),
+        slots = slots.to(state_pool.device).contiguous()   # a verify step's slots are a view
+        fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots,
            out=out, states=states)
         return out, states
 

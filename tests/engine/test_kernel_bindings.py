@@ -15,7 +15,7 @@ from certify.harness.oracles import bitwise, tolerance
 from impl.model.dispatch import Dispatcher
 from impl.model.engine_config import _project_catalog
 from impl.model.ops import Ops
-from spec.ops import mtp, norms, rope
+from spec.ops import gdn, mtp, norms, rope
 
 F64 = torch.float64
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter arch is the CPU's")
@@ -118,3 +118,32 @@ def test_the_engine_runs_its_kernel_bindings_through_the_interpreter(weights, kv
                                           for p in lowp])
     worst = max(range(len(err)), key=lambda i: err[i] - 2 * ref[i])
     assert err[worst] <= 2 * ref[worst] + 2 ** -9, (lowp[worst].what, err[worst], ref[worst])
+
+
+def test_gdn_verify_binding_takes_the_verify_steps_strided_slots(ops: Ops):
+    """A verify-only step hands the GDN verify its slots as a strided view of the rows' seq_ids
+    (one per request of T rows); the Triton kernels read row-major offsets, so the binding passes a
+    contiguous copy. Results within the r2_b8_fp32 cell's bands (out 2 ulp, states 64 ulp), against
+    the spec in float64 on the same slots."""
+    g = _gen()
+    B, T, HK, HV, D = 2, 4, 2, 4, 128
+
+    def draw(*shape, dtype=torch.bfloat16, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype)
+
+    q, k = draw(B, T, HK, D, scale=0.1), draw(B, T, HK, D, scale=0.1)
+    v, z = draw(B, T, HV, D), draw(B, T, HV, D)
+    a, b = draw(B, T, HV), draw(B, T, HV)
+    A_log, dt_bias = draw(HV, dtype=torch.float32), draw(HV, dtype=torch.float32)
+    norm_w = draw(D)
+    pool = draw(5, HV, D, D, dtype=torch.float32, scale=0.1)
+    slots = torch.tensor([3, 3, 3, 3, 1, 1, 1, 1]).view(B, T)[:, 0]
+    assert not slots.is_contiguous()
+    out, states = ops.gdn_verify(q, k, v, a, b, A_log, dt_bias, z, norm_w, pool, slots)
+    assert ops.d.variants_ran()["gdn_verify"] == ["triton_split"]
+    ref = gdn.gdn_verify(*(t.to(F64) for t in (q, k, v, a, b, A_log, dt_bias, z, norm_w, pool)),
+                         slots)
+    for name, got, want, ulp, rms in (("out", out, ref["out"], 2, 0.5),
+                                      ("states", states, ref["states"], 64, 8)):
+        verdict = tolerance(name, got, want, ulp, rms)
+        assert verdict.passed, verdict.problems
