@@ -1,9 +1,10 @@
-"""Split the catalog's ops into N groups of about equal certification time, one line of
-``--op NAME ...`` flags per group, for parallel ``certify run`` processes on one machine.
+"""Split the ops with targets not yet fresh on an arch into N groups of about equal certification
+time, one line of ``--op NAME ...`` flags per group, for parallel ``certify run --outdated``
+processes on one machine.
 
-The time of an op is the sum of the ``seconds`` of its receipts in the given receipts file (ops
-without one count as one second). Groups are filled longest op first, each into the group with the
-least time so far.
+The time of an op is the sum of the ``seconds`` of its outdated targets' last receipts in the given
+receipts file (a target without one counts as one second); the arch is the file's name. Groups are
+filled longest op first, each into the group with the least time so far.
 
     python3 tools/op_groups.py N reports/receipts/sm_90.jsonl
 """
@@ -16,16 +17,24 @@ from collections import Counter
 from pathlib import Path
 
 from certify.catalog.load import load_catalog
+from certify.harness.runner import select
 from certify.files.paths import project_paths
 
 
 def op_seconds(receipts: Path) -> Counter:
-    seconds: Counter = Counter()
+    """Seconds by op over the outdated targets of the receipts file's arch."""
+    last: dict[tuple[str, str, str], float] = {}
     if receipts.exists():
         for line in receipts.read_text().splitlines():
             if line.strip():
                 r = json.loads(line)
-                seconds[r["op"]] += float(r.get("seconds") or 0.0)
+                last[r["op"], r["variant"], r["cell"]] = float(r.get("seconds") or 0.0)
+    paths = project_paths()
+    outdated = select(load_catalog(paths.cells), archs=[receipts.stem], only_outdated=True,
+                      receipts_dir=receipts.parent)
+    seconds: Counter = Counter()
+    for t in outdated:
+        seconds[t.op.op] += last.get((t.op.op, t.variant.name, t.cell.id), 1.0)
     return seconds
 
 
@@ -41,8 +50,8 @@ def groups(n: int, ops: list[str], seconds: Counter) -> list[list[str]]:
 
 def main(argv: list[str]) -> int:
     n, receipts = int(argv[0]), Path(argv[1])
-    ops = sorted(load_catalog(project_paths().cells).ops)
-    for g in groups(n, ops, op_seconds(receipts)):
+    seconds = op_seconds(receipts)
+    for g in groups(n, sorted(seconds), seconds):
         print(" ".join(f"--op {op}" for op in g))
     return 0
 
