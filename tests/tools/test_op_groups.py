@@ -1,5 +1,5 @@
 """tools/op_groups.py splits the catalog's ops into groups of about equal certification time for
-parallel ``certify run`` processes: every op exactly once, the longest op alone when it outweighs the
+parallel ``certify run`` processes: every op with a target not yet fresh exactly once, the longest op alone when it outweighs the
 rest's share, and the groups' times within one op of each other."""
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ def test_groups_cover_every_op_once_and_balance():
 
 
 def test_the_script_prints_op_flags_for_every_catalog_op(tmp_path):
+    # one outdated target (no receipt here is fresh) weighs a million seconds: its op goes alone
     receipts = tmp_path / "sm_90.jsonl"
-    receipts.write_text(json.dumps({"op": "gdn_prefill", "seconds": 1e6}) + "\n")
+    receipts.write_text(json.dumps({"op": "gdn_prefill", "variant": "triton_chunked",
+                                    "cell": "long_t8192", "seconds": 1e6}) + "\n")
     out = subprocess.run([sys.executable, "tools/op_groups.py", "4", str(receipts)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
