@@ -156,6 +156,9 @@ def _config_options(e: argparse.ArgumentParser, preset: str) -> None:
     e.add_argument("--prefill-graph", choices=["eager", "breakable"], default="eager",
                    help="context and mixed steps replay a CUDA graph per token bucket, broken "
                         "around the parts that read the step's spans (--device cuda only)")
+    e.add_argument("--prefill-graph-max-tokens", type=int, default=None, metavar="N",
+                   help="capture prefill graphs for steps of at most N tokens (default: "
+                        "--max-num-tokens); larger steps run eagerly")
     e.add_argument("--torch-only", action="store_true",
                    help="dispatch only the variants written in torch (the benchmarks' peer)")
     e.add_argument("--no-moe-expert-copy", action="store_true",
@@ -258,7 +261,8 @@ def _config(args) -> EngineConfig:
         enable_chunked_prefill=not args.no_chunked_prefill,
         enable_block_reuse=args.block_reuse, speculative=spec,
         batch_invariant=args.batch_invariant, cuda_graphs=args.cuda_graphs,
-        prefill_graph=args.prefill_graph, torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
+        prefill_graph=args.prefill_graph,
+        prefill_graph_max_tokens=args.prefill_graph_max_tokens, torch_only=args.torch_only, numerics=_numerics(args.numerics), ple_tables=args.ple_tables,
         moe_expert_copy=not args.no_moe_expert_copy, gdn_commit=args.gdn_commit,
         multimodal=args.multimodal)
 

@@ -199,7 +199,7 @@ class Engine:
         self.graphs = (StepGraphs(self.model, self.cache, config.max_batch_size,
                                   rows_per_request=self.k + 1 if self.k else 1)
                        if config.cuda_graphs else None)
-        self.prefill_graphs = (PrefillGraphs(self.model, self.cache, config.max_num_tokens,
+        self.prefill_graphs = (PrefillGraphs(self.model, self.cache, config.prefill_graph_tokens,
                                              scratch=config.max_batch_size,
                                              max_seq_len=config.max_seq_len)
                                if config.captures_prefill else None)

@@ -67,6 +67,8 @@ Decisions:
   (impl/model/prefill_graphs.py). Rule ``breakable_prefill_graph_on_cuda`` refuses it off cuda, in
   batch-invariant or torch-only mode, and where a piece between breaks would dispatch a variant that
   reads the host, at any bucket. Steps with frame rows or verify rows run eagerly beside it.
+  ``prefill_graph_max_tokens`` caps the buckets (steps of more tokens run eagerly), for the graphs'
+  memory; the same rule refuses it without ``prefill_graph: breakable``.
 - Video input (``multimodal``, off by default; impl/model/vision.py): requests may carry frames. It
   needs a model whose preset has a vision tower read out to its width (rule
   ``multimodal_model_has_a_vision_tower``: tiny has one, the target none yet); frame prompts rotate by
@@ -181,6 +183,10 @@ class EngineConfig(BaseModel):
     # context and mixed steps replay a graph of their token bucket, broken around the parts that
     # read the step's spans (impl/model/prefill_graphs.py); rule breakable_prefill_graph_on_cuda
     prefill_graph: PrefillGraph = "eager"
+    # the largest step, in tokens, a prefill graph is captured for (None: max_num_tokens); larger
+    # context steps run eagerly. Each bucket's graph holds device memory, and above a few thousand
+    # tokens the step is GPU-bound (reports/bench/prefill_graph.md); rule breakable_prefill_graph_on_cuda
+    prefill_graph_max_tokens: int | None = Field(default=None, ge=16)
     torch_only: bool = False      # dispatch only variants written in torch (the benchmarks' peer)
     # where the PLE tables E and G live: device memory, or host memory registered with the CUDA
     # runtime and mapped into the device's address space (impl/model/placement.py); rule
@@ -228,6 +234,13 @@ class EngineConfig(BaseModel):
     @property
     def captures_prefill(self) -> bool:
         return self.prefill_graph == "breakable"
+
+    @property
+    def prefill_graph_tokens(self) -> int:
+        """The token count of the largest prefill bucket's step: ``max_num_tokens``, or
+        ``prefill_graph_max_tokens`` where that is smaller."""
+        cap = self.prefill_graph_max_tokens
+        return self.max_num_tokens if cap is None else min(cap, self.max_num_tokens)
 
     def build_plan(self, ctx: RuleContext | None = None) -> RoutePlan:
         """``route(self)``: the plan, or ``ConfigRefused`` before anything is built."""
@@ -627,6 +640,9 @@ def _cuda_graphs(c: EngineConfig, ctx: RuleContext) -> str | None:
 
 def _prefill_graph(c: EngineConfig, ctx: RuleContext) -> str | None:
     if not c.captures_prefill:
+        if c.prefill_graph_max_tokens is not None:
+            return ("prefill_graph_max_tokens caps the buckets of the breakable prefill graph, and "
+                    "prefill_graph is 'eager': set prefill_graph 'breakable' or drop the cap")
         return None
     if c.device != "cuda":
         return (f"prefill_graph 'breakable' needs device 'cuda' (the configuration's device is "
@@ -817,7 +833,8 @@ RULES: list[Rule] = [
          "the host, outside batch-invariant mode and torch_only.", _cuda_graphs),
     Rule("breakable_prefill_graph_on_cuda",
          "The breakable prefill graph runs on cuda, outside batch-invariant mode and torch_only, "
-         "and captures no variant that reads values on the host.", _prefill_graph),
+         "and captures no variant that reads values on the host; prefill_graph_max_tokens needs "
+         "it.", _prefill_graph),
     Rule("ple_host_tables_on_cuda",
          "Host-resident PLE tables (ple_tables 'host') are mapped into a cuda device.", _ple_tables),
     Rule("token_budget_holds_a_step",
@@ -904,7 +921,7 @@ def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
     if config.captures_prefill:
         from impl.model.prefill_graphs import token_buckets
 
-        rows = token_buckets(config.max_num_tokens, config.max_seq_len)[-1]
+        rows = token_buckets(config.prefill_graph_tokens, config.max_seq_len)[-1]
     return memory_plan(ctx.model, slots=config.cache_slots, max_seq_len=config.max_seq_len,
                        kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
                        model_dtype=config.model_dtype, with_mtp=config.speculative is not None,

@@ -324,3 +324,42 @@ def test_cuda_pieces_capture_a_piece_around_every_break(monkeypatch):
     replay()
     assert events == [("replay", 0), ("break", 0), ("replay", 1), ("break", 1), ("replay", 2),
                       ("break", 2), ("replay", 3)]
+
+
+def test_a_bucket_cap_graphs_the_small_steps_and_runs_the_larger_eagerly(weights):
+    """``prefill_graph_max_tokens`` caps the buckets: the graphs stop at the cap, a context step of
+    more tokens runs eagerly, one within it replays, both emit the eager engine's tokens, and the
+    memory plan counts the break buffers of the capped bucket's rows."""
+    def capped():
+        e = cpu_tests._engine(weights, invariant=False)
+        e.config = e.config.model_copy(update={"prefill_graph_max_tokens": 24})
+        assert e.config.prefill_graph_tokens == 24
+        e.prefill_graphs = PrefillGraphs(e.model, e.cache, e.config.prefill_graph_tokens,
+                                         capture=EagerPieces(), scratch=e.config.max_batch_size - 1,
+                                         max_seq_len=e.config.max_seq_len)
+        return e
+
+    g = capped().prefill_graphs
+    assert g.buckets == (16, 24)
+    assert g.serves([Span(0, 0, 24, 0, "prefill")], {"prefill"}, frames=False)
+    assert not g.serves([Span(0, 0, 25, 0, "prefill")], {"prefill"}, frames=False)
+    for length, replayed in ((30, False), (20, True)):
+        e = capped()
+        got = e.generate(cpu_tests._requests([length], new=3))
+        want = cpu_tests._engine(weights, invariant=False).generate(
+            cpu_tests._requests([length], new=3))
+        tokens = [{rid: r.tokens for rid, r in rep.results.items()} for rep in (got, want)]
+        assert tokens[0] == tokens[1] and all(tokens[0].values()), (length, tokens)
+        assert (e.prefill_graphs.replays > 0) == replayed, (length, e.prefill_graphs.replays)
+    wide = EngineConfig(model="tiny", max_num_tokens=40, prefill_graph_max_tokens=4096)
+    assert wide.prefill_graph_tokens == 40
+    cuda = EngineConfig(model="tiny", device="cuda", max_num_tokens=40, max_seq_len=64,
+                        prefill_graph="breakable", prefill_graph_max_tokens=24)
+    assert engine_memory(cuda, _ctx(cuda, "sm_90")).prefill_breaks == prefill_break_bytes(TINY, 24, 2)
+
+
+def test_a_bucket_cap_without_the_breakable_graph_is_refused():
+    config = EngineConfig(model="tiny", device="cuda", prefill_graph_max_tokens=512)
+    assert "prefill_graph is 'eager'" in _refusals(config, "sm_90")["breakable_prefill_graph_on_cuda"]
+    with pytest.raises(ValueError, match="prefill_graph_max_tokens"):
+        EngineConfig(prefill_graph="breakable", prefill_graph_max_tokens=8)
