@@ -23,7 +23,7 @@ from certify.catalog.plan import targets
 from certify.receipts.store import load_receipts, prune_receipts
 from certify.report import (SITE_DIR, project_guards, project_mutants, project_rows, report_extras,
                             terminal_report, write_reports)
-from certify.harness.runner import run_targets, select
+from certify.harness.runner import absent_archs_problem, run_targets, select
 from certify.files.problem import FileProblem
 from certify.reach.scenarios import load_scenarios
 from certify.catalog.mutants import CellFile
@@ -35,13 +35,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     catalog = load_catalog(paths.cells)
     for e in catalog.errors:
         print(f"error: {e}", file=sys.stderr)
-    absent = [] if args.ray else [a for a in args.arch or [] if a not in present_archs()]
-    if absent:
-        # A target of an arch this machine lacks could only fail; its error receipt would replace
-        # the receipt made where the arch is.
-        print(f"error: certify run --arch {', '.join(absent)}: not on this machine (it has "
-              f"{', '.join(present_archs())}); run it where the arch is, or through --ray",
-              file=sys.stderr)
+    if not args.ray and (problem := absent_archs_problem(args.arch)):
+        print(f"error: {problem}", file=sys.stderr)
         return 2
     chosen = select(catalog, args.op, args.tier, args.arch, only_outdated=args.outdated,
                     receipts_dir=paths.receipts)

@@ -40,6 +40,16 @@ def select(catalog: Catalog, ops: list[str] | None = None, tiers: list[str] | No
     return chosen
 
 
+def absent_archs_problem(archs: list[str] | None) -> str | None:
+    """Why ``certify run --arch`` cannot run here: an asked arch this machine lacks, whose targets
+    could only error, and whose error receipts would replace those made where the arch is."""
+    absent = [a for a in archs or [] if a not in present_archs()]
+    if not absent:
+        return None
+    return (f"certify run --arch {', '.join(absent)}: not on this machine (it has "
+            f"{', '.join(present_archs())}); run it where the arch is, or through --ray")
+
+
 def run_targets(chosen: list[Target], receipts_dir: Path | None, show_progress: bool = True
                 ) -> list[Receipt]:
     """Run each target, write its receipt as soon as it finishes (when a directory is given: merged
