@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Certification calls on the GPU machine, after the staged wheels are installed
-# (../shared/device/stage-gpu-wheels.sh). Run from the repository root there:
+# Certification calls on the GPU machine, after the peer packages are unpacked
+# (tools/stage_gpu_site.sh). Run from the repository root there:
 #
 #     bash tools/device_certify.sh receipts [SECONDS] [JOBS]  # sm_90 receipts not yet fresh, for at most
 #                                       # SECONDS, in JOBS processes (default 1)
