@@ -11,7 +11,6 @@ filled longest op first, each into the group with the least time so far.
 
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from pathlib import Path
@@ -19,22 +18,19 @@ from pathlib import Path
 from certify.catalog.load import load_catalog
 from certify.harness.runner import select
 from certify.files.paths import project_paths
+from certify.receipts.store import load_receipts
 
 
 def op_seconds(receipts: Path) -> Counter:
     """Seconds by op over the outdated targets of the receipts file's arch."""
-    last: dict[tuple[str, str, str], float] = {}
-    if receipts.exists():
-        for line in receipts.read_text().splitlines():
-            if line.strip():
-                r = json.loads(line)
-                last[r["op"], r["variant"], r["cell"]] = float(r.get("seconds") or 0.0)
-    paths = project_paths()
-    outdated = select(load_catalog(paths.cells), archs=[receipts.stem], only_outdated=True,
+    arch = receipts.stem
+    last = load_receipts(receipts.parent).get(arch, {})
+    outdated = select(load_catalog(project_paths().cells), archs=[arch], only_outdated=True,
                       receipts_dir=receipts.parent)
     seconds: Counter = Counter()
     for t in outdated:
-        seconds[t.op.op] += last.get((t.op.op, t.variant.name, t.cell.id), 1.0)
+        r = last.get((t.op.op, t.variant.name, t.cell.id))
+        seconds[t.op.op] += r.seconds if r is not None else 1.0
     return seconds
 
 

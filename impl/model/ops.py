@@ -473,7 +473,7 @@ class Ops:
             return res["out"]
         q, k, v, a, b, z = (t.contiguous() for t in (q, k, v, a, b, z))
         out = torch.empty_like(z)
-        slots = slots.to(state_pool.device).contiguous()   # a strided view of seq_ids
+        slots = slots.to(state_pool.device).contiguous()   # the row kernels read it by offset
         fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots,
            out=out)
         return out

@@ -1,6 +1,6 @@
 """tools/op_groups.py splits the catalog's ops into groups of about equal certification time for
-parallel ``certify run`` processes: every op with a target not yet fresh exactly once, the longest op alone when it outweighs the
-rest's share, and the groups' times within one op of each other."""
+parallel ``certify run`` processes: every op with a target not yet fresh exactly once, the longest
+op alone when it outweighs the rest's share, and the groups' times within one op of each other."""
 
 from __future__ import annotations
 
@@ -29,8 +29,11 @@ def test_groups_cover_every_op_once_and_balance():
 def test_the_script_prints_op_flags_for_every_catalog_op(tmp_path):
     # one outdated target (no receipt here is fresh) weighs a million seconds: its op goes alone
     receipts = tmp_path / "sm_90.jsonl"
-    receipts.write_text(json.dumps({"op": "gdn_prefill", "variant": "triton_chunked",
-                                    "cell": "long_t8192", "seconds": 1e6}) + "\n")
+    lines = (ROOT / "reports/receipts/sm_90.jsonl").read_text().splitlines()
+    made = [json.loads(line) for line in lines if line.strip()]
+    record = next(r for r in made if (r["op"], r["variant"], r["cell"])
+                  == ("gdn_prefill", "triton_chunked", "long_t8192"))
+    receipts.write_text(json.dumps(dict(record, hash="0" * 24, seconds=1e6)) + "\n")
     out = subprocess.run([sys.executable, "tools/op_groups.py", "4", str(receipts)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
