@@ -52,7 +52,7 @@ def uncapturable_piece_calls(config, ctx) -> list[str]:
     from impl.model.dispatch import Dispatcher  # noqa: PLC0415
     from impl.model.trace import Chunk, Scenario, piece_calls  # noqa: PLC0415
 
-    buckets = token_buckets(config.max_num_tokens, config.max_seq_len)
+    buckets = token_buckets(config.prefill_graph_tokens, config.max_seq_len)
     step = Scenario(name="prefill_graph", why="the context step a prefill graph captures",
                     prefill=(Chunk(chunk=buckets[0], context=buckets[0]),),
                     kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
@@ -252,7 +252,7 @@ class PrefillGraphs:
         self.device = model.w.device
         self.capturer = capture if capture is not None else CudaPieces(self.device)
         self.graphs: dict[int, _Graph] = {}
-        self.store: dict[tuple, torch.Tensor] = {}      # the breaks' outputs (``Breaks``)
+        self.store: dict[tuple, torch.Tensor] = {}      # the breaks' buffers (``Breaks``)
         self.replays = 0
 
     def serves(self, spans: list[Span], modes: set[str], frames: bool) -> bool:

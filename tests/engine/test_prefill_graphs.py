@@ -358,6 +358,19 @@ def test_a_bucket_cap_graphs_the_small_steps_and_runs_the_larger_eagerly(weights
     assert engine_memory(cuda, _ctx(cuda, "sm_90")).prefill_breaks == prefill_break_bytes(TINY, 24, 2)
 
 
+def test_the_rule_checks_the_buckets_the_cap_keeps(monkeypatch):
+    """The capture rule dispatches the pieces at the buckets the engine captures, the cap's."""
+    import impl.model.prefill_graphs as pg
+
+    seen = []
+    real = pg.token_buckets
+    monkeypatch.setattr(pg, "token_buckets", lambda n, s: seen.append(n) or real(n, s))
+    config = EngineConfig(model="tiny", device="cuda", max_num_tokens=40, max_seq_len=64,
+                          prefill_graph="breakable", prefill_graph_max_tokens=24)
+    assert "breakable_prefill_graph_on_cuda" not in _refusals(config, "sm_90")
+    assert seen == [24]
+
+
 def test_a_bucket_cap_without_the_breakable_graph_is_refused():
     config = EngineConfig(model="tiny", device="cuda", prefill_graph_max_tokens=512)
     assert "prefill_graph is 'eager'" in _refusals(config, "sm_90")["breakable_prefill_graph_on_cuda"]
