@@ -9,10 +9,10 @@
 #                                       # left of CALL_S (default 590 s)
 #     bash tools/device_certify.sh bench   # bench/prefill_graph.py, then bench/engine.py with
 #                                       # speculation (eager, graphs, all_graphs), under CALL_S (590 s;
-#                                       # the prefill bench at most PREFILL_S, 300 s, with PREFILL_ARGS;
+#                                       # the prefill bench at most PREFILL_S, 300 s, 0 skips it, with PREFILL_ARGS;
 #                                       # the engine bench at BATCHES, 1,32,128, with ENGINE_ARGS)
 #     bash tools/device_certify.sh session  # receipts (RECEIPTS_S, JOBS) beside the engine tests
-#                                       # (TESTS_S), then bench in what is left of CALL_S (575 s)
+#                                       # (TESTS_S), then bench in what is left of CALL_S (575 s), if 60 s or more
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -48,7 +48,9 @@ if [ "$part" = session ]; then
   grep -E "FAILED|ERROR|passed|failed" "$out/gpu_tests.log" | tail -12
   wait
   cat "$work/receipts.txt"
-  CALL_S=$(( ${CALL_S:-575} - ($(date +%s) - t0) )) bash "$0" bench
+  left=$(( ${CALL_S:-575} - ($(date +%s) - t0) ))
+  [ "$left" -ge 60 ] || { echo "no time left for the benches ($left s)"; exit 0; }
+  CALL_S=$left bash "$0" bench
   exit 0
 fi
 
@@ -88,9 +90,11 @@ fi
 
 if [ "$part" = bench ]; then
   t0=$(date +%s)
-  timeout "${PREFILL_S:-300}" python3 bench/prefill_graph.py --out "$out" ${PREFILL_ARGS:-} > "$out/prefill_graph.log" 2>&1
-  echo "bench/prefill_graph.py: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/prefill_graph.log"
-  tail -22 "$out/prefill_graph.log"
+  if [ "${PREFILL_S:-300}" -gt 0 ]; then
+    timeout "${PREFILL_S:-300}" python3 bench/prefill_graph.py --out "$out" ${PREFILL_ARGS:-} > "$out/prefill_graph.log" 2>&1
+    echo "bench/prefill_graph.py: rc $? in $(( $(date +%s) - t0 )) s" | tee -a "$out/prefill_graph.log"
+    tail -22 "$out/prefill_graph.log"
+  fi
   left=$(( ${CALL_S:-590} - ($(date +%s) - t0) ))
   [ "$left" -ge 30 ] || { echo "no time left for bench/engine.py"; exit 0; }
   t1=$(date +%s)
