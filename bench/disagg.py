@@ -57,7 +57,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.disagg.channel import Transfer  # noqa: E402
 from impl.model.disagg.pair import (  # noqa: E402
@@ -309,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "disagg.md").write_text("\n".join(lines) + "\n")
+        bench_common.write_report(out / "disagg.md", lines)
     return 0 if outcome.passed else 1
 
 

@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.engine import Engine  # noqa: E402
 from impl.model.engine_config import EngineConfig, SpeculativeConfig  # noqa: E402
@@ -324,7 +324,7 @@ def main() -> None:
                 torch.cuda.empty_cache()
             if not args.smoke:   # a later batch that runs out of time keeps this one's rows
                 out_dir.mkdir(parents=True, exist_ok=True)
-                (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
+                bench_common.write_report(out_dir / "engine.md", lines)
     ratios = [f"- batch {rows}: {mode} {steps[(rows, 'torch')] / steps[(rows, mode)]:.1f}x "
               "faster than torch" for rows in batches for mode in ("eager", "graphs", "all_graphs")
               if (rows, mode) in steps and (rows, "torch") in steps]
@@ -343,9 +343,9 @@ def main() -> None:
         print("smoke passed; nothing written")
         return
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "engine.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out_dir / "engine.md", lines)
     if args.profile:
-        (out_dir / "engine_profile.md").write_text("\n".join(profile_lines) + "\n")
+        bench_common.write_report(out_dir / "engine_profile.md", profile_lines)
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from certify.catalog.load import load_op_file
 from certify.harness.target import build_case, run_spec, run_variant, variant_callable
 from certify.harness.oracles import tolerance
@@ -206,7 +206,7 @@ def main() -> None:
                                          *[_peer_cell(r["peers"].get(p)) for p in PEERS]]) + " |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gdn_decode.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out / "gdn_decode.md", lines)
     print("\n".join(lines))
 
 

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from certify.catalog.load import load_op_file
 from certify.harness.target import build_case, resolve, run_spec, run_variant, variant_callable
 from certify.harness.oracles import tolerance
@@ -411,7 +411,7 @@ def main() -> None:
         lines += [f"| {c} | {us:.1f} | {ok} | {e} |" for c, us, ok, e in sweep_rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gdn_prefill.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out / "gdn_prefill.md", lines)
     print("\n".join(lines))
 
 

@@ -29,6 +29,7 @@ import triton  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_common  # noqa: E402
 from bench_common import graph_us  # noqa: E402
 
 from certify.harness.oracles import tolerance  # noqa: E402
@@ -104,7 +105,7 @@ def main() -> None:
             print(lines[-1], flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "hc_sinkhorn.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out_dir / "hc_sinkhorn.md", lines)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_common  # noqa: E402
 from bench_common import copy_bandwidth, graph_us  # noqa: E402
 
 from certify.harness.oracles import tolerance  # noqa: E402
@@ -187,7 +188,7 @@ def main() -> None:
         print(lines[-1], flush=True)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "moe.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out_dir / "moe.md", lines)
 
 
 SWEEP = {"BN": (32, 64), "BK": (64, 128, 256), "num_stages": (2, 4), "SPLIT": (1, 4, 8, 12)}

@@ -33,7 +33,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from impl.kernels.ple import torch_ple, triton_ple  # noqa: E402
 from spec.config import ModelConfig  # noqa: E402
 from spec.ops.ple import NgramHashConfig, ple_embed  # noqa: E402
@@ -163,7 +163,7 @@ def main() -> None:
     mapped.release()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ple.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out_dir / "ple.md", lines)
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from impl.model.admission import Request  # noqa: E402
 from impl.model.engine import Engine  # noqa: E402
 from impl.model.engine_config import EngineConfig, SpeculativeConfig  # noqa: E402
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         lines += ["", "FAILED: " + "; ".join(failures)]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "prefill_graph.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out / "prefill_graph.md", lines)
     print("\n".join(lines), flush=True)
     return 1 if failures else 0
 

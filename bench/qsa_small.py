@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from certify.harness.target import run_spec, run_variant
 from certify.harness.oracles import bitwise, tolerance
 from impl.kernels.qsa import triton_append, triton_index
@@ -177,7 +177,7 @@ def main() -> None:
     else:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "qsa_small.md").write_text("\n".join(lines) + "\n")
+        bench_common.write_report(out / "qsa_small.md", lines)
 
 
 if __name__ == "__main__":

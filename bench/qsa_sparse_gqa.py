@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from certify.harness.oracles import tolerance
 from certify.files.paths import project_paths
 from impl.kernels.qsa.kv_tiles import FMT_BF16, FMT_FP8, FMT_NVFP4
@@ -236,7 +236,7 @@ def main() -> None:
              "torch gather + SDPA us |", "|---|---|---|---|---|---|---|---|---|", *lines_rows]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "qsa_sparse_gqa.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out / "qsa_sparse_gqa.md", lines)
     print("\n".join(lines))
     if args.shapes:
         chosen = {kv: tuple(_DECODE_SHAPE[f]) for kv, f in (("bf16", FMT_BF16), ("fp8", FMT_FP8),
@@ -253,7 +253,7 @@ def main() -> None:
             cells = [shape_rows[shp].get(kv, "") + (" *" if chosen[kv] == shp else "")
                      for kv in ("bf16", "fp8", "nvfp4")]
             table.append(f"| {' | '.join(map(str, shp))} | {' | '.join(cells)} |")
-        (out / "qsa_sparse_gqa_shapes.md").write_text("\n".join(table) + "\n")
+        bench_common.write_report(out / "qsa_sparse_gqa_shapes.md", table)
         print("\n".join(table))
 
 

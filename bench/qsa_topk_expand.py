@@ -29,7 +29,7 @@ import platform
 import sys
 from pathlib import Path
 
-import bench_common  # noqa: F401,E402 (the checkout's root on the import path)
+import bench_common  # noqa: E402 (the checkout's root on the import path)
 from impl.kernels import triton_support  # noqa: F401  (compile vs interpret, before triton)
 import torch
 
@@ -170,7 +170,7 @@ def main() -> None:
                      f">= {TARGETS[r['shape']]:.0f}x | {tg / r['floor']:.2f}x |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "qsa_topk_expand.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out / "qsa_topk_expand.md", lines)
     print("\n".join(lines))
 
 

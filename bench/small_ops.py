@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import bench_common  # noqa: E402
 from bench_common import copy_bandwidth  # noqa: E402
 
 from certify.catalog.load import load_op_file  # noqa: E402
@@ -127,7 +128,7 @@ def main() -> None:
                      f"{r['torch eager'] / t:.1f}x |")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "small_ops.md").write_text("\n".join(lines) + "\n")
+    bench_common.write_report(out / "small_ops.md", lines)
     print("\n".join(lines))
 
 
