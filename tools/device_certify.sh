@@ -10,9 +10,14 @@
 #     bash tools/device_certify.sh bench   # bench/prefill_graph.py, then bench/engine.py with
 #                                       # speculation (eager, graphs, all_graphs), under CALL_S (590 s;
 #                                       # the prefill bench at most PREFILL_S, 300 s, 0 skips it, with PREFILL_ARGS;
-#                                       # the engine bench at BATCHES, 1,32,128, with ENGINE_ARGS)
+#                                       # the engine bench at BATCHES, 1,32,128, MODES, with ENGINE_ARGS)
 #     bash tools/device_certify.sh session  # receipts (RECEIPTS_S, JOBS) beside the engine tests
-#                                       # (TESTS_S), then bench in what is left of CALL_S (575 s), if 60 s or more
+#                                       # (TESTS_S), then AFTER (bench, or ab) in what is left of
+#                                       # CALL_S (575 s), if 60 s or more
+#     bash tools/device_certify.sh ab      # an engine change against the revision before it, same
+#                                       # run: bench/prefill_graph.py (AB_LENGTHS, 128,512) and
+#                                       # bench/engine.py eager (AB_BATCHES, 1,32) under the tree
+#                                       # unpacked in .before/ (tools/stage_before.sh), then this one
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -50,7 +55,7 @@ if [ "$part" = session ]; then
   cat "$work/receipts.txt"
   left=$(( ${CALL_S:-575} - ($(date +%s) - t0) ))
   [ "$left" -ge 60 ] || { echo "no time left for the benches ($left s)"; exit 0; }
-  CALL_S=$left bash "$0" bench
+  CALL_S=$left bash "$0" "${AFTER:-bench}"
   exit 0
 fi
 
@@ -88,6 +93,31 @@ if [ "$part" = gates ]; then
   exit 0
 fi
 
+if [ "$part" = ab ]; then
+  # Each revision in its own processes, one after the other, the GPU to itself; each log ends with
+  # the reports its benches wrote.
+  [ -d .before/bench ] || { echo "no .before/ tree: run tools/stage_before.sh here and carry .before"; exit 2; }
+  t0=$(date +%s)
+  for tag in before after; do
+    root=$([ "$tag" = before ] && echo .before || echo .)
+    log="$out/ab-$tag.log"
+    work=$(mktemp -d)
+    t1=$(date +%s)
+    share=$(( (${CALL_S:-590} - (t1 - t0)) / ($([ "$tag" = before ] && echo 2 || echo 1)) ))
+    { echo "== $tag: $([ "$tag" = before ] && cat .before/REVISION || git rev-parse HEAD 2>/dev/null || echo this tree), $share s"
+      timeout $(( share / 2 )) python3 "$root/bench/prefill_graph.py" --lengths "${AB_LENGTHS:-128,512}" \
+          --out "$work"
+      echo "bench/prefill_graph.py: rc $?"
+      timeout $(( share - ($(date +%s) - t1) )) python3 "$root/bench/engine.py" --prompt-len 1024 \
+          --batch "${AB_BATCHES:-1,32}" --modes eager --new-tokens 8 --out "$work"
+      echo "bench/engine.py: rc $?"
+      cat "$work"/*.md
+    } > "$log" 2>&1
+    grep -E "^\| [0-9]|rc [0-9]" "$log" | tail -12
+  done
+  exit 0
+fi
+
 if [ "$part" = bench ]; then
   t0=$(date +%s)
   if [ "${PREFILL_S:-300}" -gt 0 ]; then
@@ -99,7 +129,7 @@ if [ "$part" = bench ]; then
   [ "$left" -ge 30 ] || { echo "no time left for bench/engine.py"; exit 0; }
   t1=$(date +%s)
   timeout "$left" python3 bench/engine.py --prompt-len 1024 --batch "${BATCHES:-1,32,128}" \
-      --modes eager,graphs,all_graphs --draft-length 3 --new-tokens 8 --out "$out/bv" ${ENGINE_ARGS:-} \
+      --modes "${MODES:-eager,graphs,all_graphs}" --draft-length 3 --new-tokens 8 --out "$out/bv" ${ENGINE_ARGS:-} \
       > "$out/engine_bench.log" 2>&1
   echo "bench/engine.py with draft 3: rc $? in $(( $(date +%s) - t1 )) s" | tee -a "$out/engine_bench.log"
   tail -12 "$out/engine_bench.log"

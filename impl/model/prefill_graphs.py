@@ -304,7 +304,7 @@ class PrefillGraphs:
         g.staged[:n] = host_ids
         g.staged[n:] = self.model.cfg.pad_id
         g.ids.copy_(g.staged, non_blocking=True)
-        g.breaks.rows = StepRows.build(spans)
+        g.breaks.rows = StepRows.build(spans).on(self.device)
         g.handover.kept = None
         out = g.replay()
         self.replays += 1
