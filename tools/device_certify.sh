@@ -17,7 +17,8 @@
 #     bash tools/device_certify.sh ab      # an engine change against the revision before it, same
 #                                       # run: bench/prefill_graph.py (AB_LENGTHS, 128,512) and
 #                                       # bench/engine.py eager (AB_BATCHES, 1,32) under the tree
-#                                       # unpacked in .before/ (tools/stage_before.sh), then this one
+#                                       # unpacked in .before/ (tools/stage_before.sh), then this one;
+#                                       # AB_ARGS go to both (--layers 24 fits an 80 GB card)
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -106,10 +107,10 @@ if [ "$part" = ab ]; then
     share=$(( (${CALL_S:-590} - (t1 - t0)) / ($([ "$tag" = before ] && echo 2 || echo 1)) ))
     { echo "== $tag: $([ "$tag" = before ] && cat .before/REVISION || git rev-parse HEAD 2>/dev/null || echo this tree), $share s"
       timeout $(( share / 2 )) python3 "$root/bench/prefill_graph.py" --lengths "${AB_LENGTHS:-128,512}" \
-          --out "$work"
+          --out "$work" ${AB_ARGS:-}
       echo "bench/prefill_graph.py: rc $?"
       timeout $(( share - ($(date +%s) - t1) )) python3 "$root/bench/engine.py" --prompt-len 1024 \
-          --batch "${AB_BATCHES:-1,32}" --modes eager --new-tokens 8 --out "$work"
+          --batch "${AB_BATCHES:-1,32}" --modes eager --new-tokens 8 --out "$work" ${AB_ARGS:-}
       echo "bench/engine.py: rc $?"
       cat "$work"/*.md
     } > "$log" 2>&1
