@@ -11,7 +11,8 @@
 #                                       # speculation (eager, graphs, all_graphs), under CALL_S (590 s;
 #                                       # the prefill bench at most PREFILL_S, 300 s, 0 skips it, with PREFILL_ARGS;
 #                                       # the engine bench at BATCHES, 1,32,128, MODES, with ENGINE_ARGS)
-#     bash tools/device_certify.sh session  # receipts (RECEIPTS_S, JOBS) beside the engine tests
+#     bash tools/device_certify.sh session  # receipts (RECEIPTS_S, JOBS) beside the engine tests (those
+#                                       # matching FIRST_K first)
 #                                       # (TESTS_S), then AFTER (bench, or ab) in what is left of
 #                                       # CALL_S (575 s), if 60 s or more
 #     bash tools/device_certify.sh ab      # an engine change against the revision before it, same
@@ -43,7 +44,7 @@ if [ "$part" = session ]; then
   work=$(mktemp -d)
   bash "$0" receipts "${RECEIPTS_S:-290}" "${JOBS:-4}" > "$work/receipts.txt" 2>&1 &
   tests=tests/engine/test_engine_gpu.py
-  first="prefill_graph or verify_graph"
+  first=${FIRST_K:-"prefill_graph or verify_graph"}
   timeout "${TESTS_S:-290}" python3 -m pytest -v -p no:cacheprovider "$tests" -k "$first" \
       > "$out/gpu_tests.log" 2>&1
   echo "GPU engine tests ($first): rc $?" | tee -a "$out/gpu_tests.log"
