@@ -14,8 +14,7 @@
   cut to 4 layers: a context or mixed step that fills its token bucket gives the eager step's logits
   and hidden rows bit for bit; padded steps keep the default mode's bound.
 - An eager decode step waits for the GPU nowhere in its trunk (torch's sync debug mode, "error").
-  Eager verify steps at fp8 KV still make synchronising calls; the fp8-only and verify-only cases
-  are marked expected failures until the calls are located.
+  An eager verify step still does, in qsa_sparse_gqa's row tiling (an expected failure).
 """
 
 from __future__ import annotations
@@ -227,11 +226,12 @@ def test_host_resident_ple_tables_give_the_device_tables_logits(target4):
 
 
 _SYNCS_IN_VERIFY = pytest.mark.xfail(
-    strict=False, reason="on the H100 (2026-12-05) the eager verify steps at fp8 KV and draft 3 made "
-    "14 synchronising calls in their trunks, not yet located; these cases tell KV from verify")
+    strict=True, reason="qsa_sparse_gqa's eager row tiling reads its tile count and union width "
+    "from the device (impl/kernels/qsa/triton_sparse_gqa.py; captured steps tile statically): two "
+    "synchronising calls a QSA layer in a verify step")
 
 
-@pytest.mark.parametrize("kv,k", [("bf16", None), pytest.param("fp8", None, marks=_SYNCS_IN_VERIFY),
+@pytest.mark.parametrize("kv,k", [("bf16", None), ("fp8", None),
                                   pytest.param("bf16", 3, marks=_SYNCS_IN_VERIFY)])
 def test_an_eager_decode_step_queues_its_work_without_waiting_for_the_gpu(target4, kv, k,
                                                                            monkeypatch):
