@@ -109,15 +109,14 @@ class StepRows:
                    max(ctx, default=0))
 
     def on(self, device: torch.device) -> StepRows:
-        """The rows with their tensors on ``device`` (``to_device``): an eager step on a GPU makes
-        this one copy, and its ops find the rows there. On the host or meta, the rows themselves
-        (the tracer's ops read them on the host)."""
-        device = torch.device(device)
-        if device.type != "cuda" or self.seq_ids.device == device:
+        """The rows with their tensors on ``device`` (``host_to_device``): an eager step on a GPU
+        makes this one copy, and its ops find the rows there. On the host or meta, the rows
+        themselves (the tracer's ops read them on the host)."""
+        if torch.device(device).type != "cuda" or self.seq_ids.is_cuda:
             return self
-        seq, pos, ctx = to_device(torch.stack([self.seq_ids, self.positions, self.context_lens]),
-                                  device).unbind(0)
-        rope = None if self.rope_positions is None else to_device(self.rope_positions, device)
+        rows = torch.stack([self.seq_ids, self.positions, self.context_lens])
+        seq, pos, ctx = host_to_device(rows, device).unbind(0)
+        rope = None if self.rope_positions is None else host_to_device(self.rope_positions, device)
         return replace(self, seq_ids=seq, positions=pos, context_lens=ctx, rope_positions=rope)
 
     @property
@@ -128,17 +127,14 @@ class StepRows:
         return dict(step=self.kind, batch=len(self.spans), rows=self.rows, context=self.context)
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """``t`` (on the host) on ``device``. To a GPU it goes through a pinned copy with a
     non-blocking transfer: a plain copy of a host tensor to a GPU synchronises the stream (torch
     waits for the transfer, so for every kernel queued before it), and an eager step with one per
     layer would leave the GPU idle while the host queues each layer's kernels."""
-    device = torch.device(device)
-    if device.type != "cuda" or t.device == device:
+    if torch.device(device).type != "cuda" or t.device.type != "cpu":
         return t.to(device)
-    staged = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    staged.copy_(t)
-    return staged.to(device, non_blocking=True)
+    return t.contiguous().pin_memory().to(device, non_blocking=True)
 
 
 def step_kind(spans: list[Span]) -> str:
@@ -312,8 +308,8 @@ class Model:
             q, k, v = split(y)
             out = ops.gdn_decode(q, k, v, a, b, w.A_log, w.dt_bias, z, w.norm_w, pool.state, slots)
         elif decode:
-            idx = to_device(torch.tensor([sp.lo for sp in decode]), mixed.device)
-            slots = to_device(torch.tensor([sp.slot for sp in decode], dtype=torch.int64), dev)
+            idx = host_to_device(torch.tensor([sp.lo for sp in decode]), mixed.device)
+            slots = host_to_device(torch.tensor([sp.slot for sp in decode], dtype=torch.int64), dev)
             y, conv = ops.conv_update(mixed[idx], w.conv_w, pool.conv[slots], geometry=geo)
             pool.conv[slots] = conv
             q, k, v = split(y)
@@ -327,9 +323,10 @@ class Model:
                 idx = slice(None)
                 slots = rows.seq_ids.view(Bv, T)[:, 0]
             else:
-                idx = to_device(torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]),
-                                mixed.device)
-                slots = to_device(torch.tensor([sp.slot for sp in verify], dtype=torch.int64), dev)
+                idx = host_to_device(torch.cat([torch.arange(sp.lo, sp.hi) for sp in verify]),
+                                     mixed.device)
+                slots = host_to_device(torch.tensor([sp.slot for sp in verify], dtype=torch.int64),
+                                       dev)
             x = mixed[idx].view(Bv, T, -1)
             old_window = pool.conv[slots.to(dev)]
             y, conv = ops.conv_prefill(x, w.conv_w, old_window, geometry=geo)
@@ -450,7 +447,7 @@ class Model:
         if table is None:
             table = cache.pages.block_table[:, :-(-axes["context"] // cfg.tokens_per_block)]
             if dev.type != "meta":  # over meta pools the tracer's ops read the table on the host
-                table = to_device(table, dev)
+                table = host_to_device(table, dev)
                 rows.table = table  # the step's other QSA layers read this copy
         seq_ids, positions = rows.seq_ids, rows.positions
         ops.qsa_kv_append(
@@ -494,20 +491,20 @@ class Model:
         single = [sp for sp in rows.spans if sp.rows == 1]
         hist = rows.ple_history
         if single and hist is None:
-            hist = to_device(cache.ple_history[torch.tensor([sp.slot for sp in single])], dev)
+            hist = host_to_device(cache.ple_history[torch.tensor([sp.slot for sp in single])], dev)
         if len(single) == rows.rows:                   # every row its own request: no gather
             e = self.ops.ple_embed(ids_dev, hist, x_emb, w.ple, act, "decode_rows",
                                    cfg.num_layers)
         else:
             e = torch.empty(rows.rows, cfg.num_layers, cfg.ple_dim, dtype=act, device=dev)
         if single and len(single) < rows.rows:
-            idx = to_device(torch.tensor([sp.lo for sp in single]), dev)
+            idx = host_to_device(torch.tensor([sp.lo for sp in single]), dev)
             e[idx] = self.ops.ple_embed(ids_dev[idx], hist, x_emb[idx], w.ple, act, "decode_rows",
                                         cfg.num_layers)
         for j, sp in enumerate(rows.spans):
             if sp.rows > 1:
                 hist = (rows.span_history[j] if rows.span_history is not None
-                        else to_device(cache.ple_history[sp.slot], dev))
+                        else host_to_device(cache.ple_history[sp.slot], dev))
                 start = "new_request" if sp.start == 0 else "continuing"
                 e[sp.lo:sp.hi] = self.ops.ple_embed(ids_dev[sp.lo:sp.hi], hist,
                                                     x_emb[sp.lo:sp.hi], w.ple, act, start,
@@ -538,7 +535,8 @@ class Model:
         ``splice``: (step row indices [m], rows [m, C]) that replace those rows' token embeddings
         (a frame prompt's tower rows, docs/spec.md, "Vision input")."""
         dev = self.w.device
-        out = self.trunk_forward(ids, to_device(ids, dev), rows.on(dev), cache, logit_rows, splice)
+        out = self.trunk_forward(ids, host_to_device(ids, dev), rows.on(dev), cache, logit_rows,
+                                 splice)
         self.advance(ids, rows.spans, cache)
         return out
 
@@ -594,7 +592,7 @@ class Model:
         mw = w.mtp
         dev = w.device
         rows = rows.on(dev)
-        h_in = self.ops.mtp_draft_input(to_device(next_ids, dev), h_prev.to(dev), w.embed,
+        h_in = self.ops.mtp_draft_input(host_to_device(next_ids, dev), h_prev.to(dev), w.embed,
                                         mw.norm_emb, mw.norm_h, mw.fc, self.act)
         share = SelectionSlot(shared=shared_selection) if shared_selection is not None else None
         X, m = self._layer(self._streams(h_in, cfg.hc_streams), mw.layer, None, None, cache, rows,
