@@ -19,7 +19,8 @@
 #                                       # run: bench/prefill_graph.py (AB_LENGTHS, 128,512) and
 #                                       # bench/engine.py eager (AB_BATCHES, 1,32) under the tree
 #                                       # unpacked in .before/ (tools/stage_before.sh), then this one;
-#                                       # AB_ARGS go to both (--layers 24 fits an 80 GB card)
+#                                       # AB_ARGS go to both (--layers 24 fits an 80 GB card);
+#                                       # AB_ORDER "after before" runs this tree first
 #     bash tools/device_certify.sh gates [SECONDS] [GATES_RUN_ARGS...]  # gates on cuda (default: the
 #                                       # premerge and postmerge tiers), reports in $OUT/gates.tgz
 #
@@ -99,13 +100,16 @@ if [ "$part" = ab ]; then
   # Each revision in its own processes, one after the other, the GPU to itself; each log ends with
   # the reports its benches wrote.
   [ -d .before/bench ] || { echo "no .before/ tree: run tools/stage_before.sh here and carry .before"; exit 2; }
+  # AB_ORDER ("before after", or "after before") picks which tree runs first.
   t0=$(date +%s)
-  for tag in before after; do
+  n=0
+  for tag in ${AB_ORDER:-before after}; do
+    n=$((n+1))
     root=$([ "$tag" = before ] && echo .before || echo .)
     log="$out/ab-$tag.log"
     work=$(mktemp -d)
     t1=$(date +%s)
-    share=$(( (${CALL_S:-590} - (t1 - t0)) / ($([ "$tag" = before ] && echo 2 || echo 1)) ))
+    share=$(( (${CALL_S:-590} - (t1 - t0)) / ($([ "$n" = 1 ] && echo 2 || echo 1)) ))
     { echo "== $tag: $([ "$tag" = before ] && cat .before/REVISION || git rev-parse HEAD 2>/dev/null || echo this tree), $share s"
       timeout $(( share / 2 )) python3 "$root/bench/prefill_graph.py" --lengths "${AB_LENGTHS:-128,512}" \
           --out "$work" ${AB_ARGS:-}
