@@ -159,14 +159,28 @@ class PagePool:
 
 @dataclass
 class GDNPool:
-    """One GDN layer's recurrent state and conv window for every slot."""
+    """One GDN layer's recurrent state and conv window for every slot, and with the cached GDN
+    commit (impl/model/model.py) the buffer a verify step writes the state after each of its rows
+    into: [slots, rows a request, HV, K, V]. Eager steps and every captured verify graph share the
+    buffer, so a verify step's record costs it once, whatever the number of graphs; commit reads it
+    before the next trunk pass."""
 
     state: torch.Tensor
     conv: torch.Tensor
+    verify_states: torch.Tensor | None = None
 
     def reset(self, slot: int) -> None:
         self.state[slot] = 0
         self.conv[slot] = 0
+
+    def verify_scratch(self, requests: int, rows: int) -> torch.Tensor | None:
+        """[requests, rows, HV, K, V], contiguous, in the verify buffer; None without one, or when
+        the step holds more requests or rows than it was sized for."""
+        buf = self.verify_states
+        if buf is None or requests > buf.shape[0] or rows > buf.shape[1]:
+            return None
+        return buf.view(-1)[:requests * rows * buf[0, 0].numel()].view(requests, rows,
+                                                                          *buf.shape[2:])
 
 
 @dataclass
@@ -187,10 +201,12 @@ class EngineCache:
     @classmethod
     def allocate(cls, cfg: ModelConfig, slots: int, max_seq_len: int, act: torch.dtype,
                  kv_dtype: str, state_dtype: torch.dtype, device: torch.device,
-                 with_mtp: bool, num_pages: int | None = None) -> EngineCache:
+                 with_mtp: bool, num_pages: int | None = None,
+                 verify_rows: int = 0) -> EngineCache:
         """``num_pages``: the size of the shared page pool; default every slot at ``max_seq_len`` (the
         reach tracer gives a step only the pages its requests hold: a 128-slot pool at 131K tokens
-        would be a gigabyte of host-side position planes for shapes alone)."""
+        would be a gigabyte of host-side position planes for shapes alone). ``verify_rows``: the
+        rows a request verifies in a step (K + 1), for each GDN layer's verify buffer; 0: none."""
         pages_per_slot = -(-max_seq_len // PAGE)
         num_pages = slots * pages_per_slot if num_pages is None else num_pages
         store = torch.float64 if act == torch.float64 else state_dtype
@@ -201,7 +217,9 @@ class EngineCache:
                     torch.zeros(slots, cfg.gdn_value_heads, cfg.gdn_d_k, cfg.gdn_d_v, dtype=store,
                                 device=device),
                     torch.zeros(slots, cfg.gdn_conv_channels, cfg.gdn_conv_kernel - 1, dtype=act,
-                                device=device)))
+                                device=device),
+                    torch.empty(slots, verify_rows, cfg.gdn_value_heads, cfg.gdn_d_k,
+                                cfg.gdn_d_v, dtype=store, device=device) if verify_rows else None))
             else:
                 layers.append(new_planes(cfg, num_pages, act, kv_dtype, device))
         mtp = new_planes(cfg, num_pages, act, kv_dtype, device) if with_mtp else None

@@ -50,10 +50,11 @@ import torch
 from impl.model.admission import Request, RequestRejected, admit, validate_request
 from impl.model.cache import EngineCache, GDNPool, truncate_planes
 from impl.model.dispatch import Dispatcher
-from impl.model.engine_config import (EngineConfig, RoutePlan, default_context, engine_memory,
-                                      route)
+from impl.model.engine_config import (ConfigRefused, EngineConfig, Refusal, RoutePlan,
+                                      default_context, engine_memory, route, verify_rows)
 from impl.model.graphs import StepGraphs
 from impl.model.prefill_graphs import PrefillGraphs
+from impl.model.memory import FITS_RULE, FITS_STATEMENT, memory_shortfall
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import Ops
 from impl.model.placement import HostMapped, with_host_ple_tables
@@ -193,9 +194,14 @@ class Engine:
         self.model = Model(weights, self.cfg, Ops(self.dispatcher), gdn_commit=config.gdn_commit)
         state_dtype = _DTYPES[config.state_dtype]
         self.memory = engine_memory(config, ctx)   # what the cache below and the expert copy hold
+        if weights.device.type == "cuda":
+            short = memory_shortfall(self.memory, torch.cuda.mem_get_info(weights.device)[0])
+            if short is not None:
+                raise ConfigRefused([Refusal(FITS_RULE, FITS_STATEMENT, short)])
         self.cache = EngineCache.allocate(
             self.cfg, config.cache_slots, config.max_seq_len, weights.dtype,
-            config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k))
+            config.kv_cache_dtype, state_dtype, weights.device, with_mtp=bool(self.k),
+            verify_rows=verify_rows(config))
         self.graphs = (StepGraphs(self.model, self.cache, config.max_batch_size,
                                   rows_per_request=self.k + 1 if self.k else 1)
                        if config.cuda_graphs else None)

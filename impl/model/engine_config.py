@@ -911,6 +911,13 @@ def route(config: EngineConfig, ctx: RuleContext | None = None) -> RoutePlan:
 # ---------------------------------------------------------------------------- memory
 
 
+def verify_rows(config: EngineConfig) -> int:
+    """The rows a request verifies in a step (K + 1) where the cached GDN commit keeps each row's
+    state (a verify buffer a GDN layer, impl/model/cache.py); 0 otherwise."""
+    spec = config.speculative
+    return spec.draft_length + 1 if spec is not None and config.gdn_commit == "cached" else 0
+
+
 def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
     """The memory the engine holds beside the weights (impl/model/memory.py), with the second expert
     copy the configured moe variant needs (impl/model/expert_copy.py)."""
@@ -925,7 +932,7 @@ def engine_memory(config: EngineConfig, ctx: RuleContext) -> MemoryPlan:
     return memory_plan(ctx.model, slots=config.cache_slots, max_seq_len=config.max_seq_len,
                        kv_dtype=config.kv_cache_dtype, state_dtype=config.state_dtype,
                        model_dtype=config.model_dtype, with_mtp=config.speculative is not None,
-                       expert_copy=copy, prefill_rows=rows)
+                       expert_copy=copy, prefill_rows=rows, verify_rows=verify_rows(config))
 
 
 # ---------------------------------------------------------------------------- explain

@@ -9,6 +9,9 @@ Three parts, in bytes:
   GDN layer, and the PLE n-gram histories;
 - ``expert_copy``: the second copy of the routed experts (impl/model/expert_copy.py), 0 where none is
   kept;
+- ``verify_states``: with speculation and the cached GDN commit, each GDN layer's verify buffer: the
+  state after each of the K + 1 rows a slot verifies in a step, in the state's dtype (shared by eager
+  steps and every captured verify graph);
 - ``prefill_breaks``: with the breakable prefill graph (impl/model/prefill_graphs.py), the static
   buffers of its breaks, inputs and outputs, at the largest token bucket (every bucket uses the
   first rows of the same buffers): the PLE embedding's, and one GDN and one QSA mixer's (a layer's
@@ -48,10 +51,12 @@ class MemoryPlan:
     state_pools: int
     expert_copy: ExpertCopy
     prefill_breaks: int = 0
+    verify_states: int = 0
 
     @property
     def total(self) -> int:
-        return self.kv_pages + self.state_pools + self.expert_copy.bytes + self.prefill_breaks
+        return (self.kv_pages + self.state_pools + self.expert_copy.bytes + self.prefill_breaks
+                + self.verify_states)
 
     def lines(self) -> list[str]:
         gib = lambda n: f"{n / 2**30:.3f} GiB"  # noqa: E731
@@ -62,6 +67,8 @@ class MemoryPlan:
                 f"{copy.reason})",
                 *([f"  prefill graph break buffers: {gib(self.prefill_breaks)}"]
                   if self.prefill_breaks else []),
+                *([f"  GDN verify states (cached commit): {gib(self.verify_states)}"]
+                  if self.verify_states else []),
                 f"  total: {gib(self.total)}"]
 
 
@@ -81,9 +88,11 @@ def prefill_break_bytes(model: ModelConfig, rows: int, act_bytes: int) -> int:
 
 def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: str,
                 state_dtype: str, model_dtype: str, with_mtp: bool,
-                expert_copy: ExpertCopy, prefill_rows: int = 0) -> MemoryPlan:
-    """The plan of an engine with ``slots`` slots (``EngineCache.allocate``'s arguments), and with
-    a breakable prefill graph whose largest bucket holds ``prefill_rows`` rows (0: none)."""
+                expert_copy: ExpertCopy, prefill_rows: int = 0,
+                verify_rows: int = 0) -> MemoryPlan:
+    """The plan of an engine with ``slots`` slots (``EngineCache.allocate``'s arguments, with its
+    ``verify_rows``), and with a breakable prefill graph whose largest bucket holds
+    ``prefill_rows`` rows (0: none)."""
     act = _ACT_BYTES[model_dtype]
     pages = slots * -(-max_seq_len // PAGE)
     layers = model.num_qsa_layers + (model.mtp_layers if with_mtp else 0)
@@ -93,4 +102,21 @@ def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: s
         + model.gdn_conv_channels * (model.gdn_conv_kernel - 1) * act)
     ple = slots * 2 * _INT64
     breaks = prefill_break_bytes(model, prefill_rows, act) if prefill_rows else 0
-    return MemoryPlan(pages, kv, gdn + ple, expert_copy, breaks)
+    state = model.gdn_value_heads * model.gdn_d_k * model.gdn_d_v * _STATE_BYTES[state_dtype]
+    verify = model.num_gdn_layers * slots * verify_rows * state
+    return MemoryPlan(pages, kv, gdn + ple, expert_copy, breaks, verify)
+
+
+FITS_RULE = "memory_fits_the_device"
+FITS_STATEMENT = ("what the engine holds beside the weights (its memory plan) fits the device "
+                  "memory free once the weights are there")
+
+
+def memory_shortfall(plan: MemoryPlan, free_bytes: int) -> str | None:
+    """None when ``plan`` fits ``free_bytes``; else why not, with the plan's parts. The plan does not
+    count activations or graph pools, so a plan that fits may still run short; one that does not
+    fit is refused before anything is allocated."""
+    if plan.total <= free_bytes:
+        return None
+    return (f"the plan needs {plan.total / 2**30:.2f} GiB and {free_bytes / 2**30:.2f} GiB are free "
+            "on the device:\n" + "\n".join(plan.lines()))

@@ -10,7 +10,9 @@ commits its GDN layers.
 The GDN commit (``gdn_commit``, EngineConfig.gdn_commit):
 - ``cached`` (the default): the verify step records the state after each of its rows (``gdn_verify``'s
   ``states``) and writes the last row's to the pool; commit copies the accepted row's state
-  (``rollback_commit``). The record holds K + 1 states a request and GDN layer.
+  (``rollback_commit``). The record holds K + 1 states a request and GDN layer, written into the
+  layer's verify buffer (``GDNPool.verify_states``): one buffer serves the eager steps and every
+  captured verify graph, and the engine's memory plan counts it.
 - ``recompute``: the verify step leaves the pool at the pre-verify state and records the rows'
   recurrence inputs (q, k, v, a, b, z after the conv); commit re-runs the accepted rows' recurrence
   from the pool, one ``gdn_decode`` launch a row over the requests that accepted it. The record holds
@@ -332,9 +334,10 @@ class Model:
             y, conv = ops.conv_prefill(x, w.conv_w, old_window, geometry=geo)
             q, k, v = split(y.reshape(Bv * T, -1))
             shape = lambda t: t.reshape(Bv, T, *t.shape[1:])  # noqa: E731
+            scratch = pool.verify_scratch(Bv, T) if self.gdn_commit == "cached" else None
             o, states = ops.gdn_verify(shape(q), shape(k), shape(v), shape(a[idx]), shape(b[idx]),
                                        w.A_log, w.dt_bias, shape(z[idx]), w.norm_w, pool.state,
-                                       slots.to(dev))
+                                       slots.to(dev), states=scratch)
             out[idx] = o.reshape(Bv * T, hv, dv)
             # Provisionally keep every row (all accepted); commit rolls back to the accepted one.
             # The recomputing commit re-runs the accepted rows from the pre-verify state instead.

@@ -479,8 +479,11 @@ class Ops:
         return out
 
     def gdn_verify(self, q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool: torch.Tensor,
-                   slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """T rows a request from the pool (not written). Returns (out, states after every row)."""
+                   slots: torch.Tensor, states: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """T rows a request from the pool (not written). Returns (out, states after every row);
+        ``states``: where a fast variant writes them ([B, T, HV, K, V] in the pool's dtype,
+        contiguous; default a new tensor)."""
         ref, fn = self._choose("gdn_verify", batch=q.shape[0], rows=q.shape[1],
                                state_dtype=DTYPE_NAME[state_pool.dtype], **self._gdn_axes(q, v))
         if ref:
@@ -489,7 +492,13 @@ class Ops:
         q, k, v, a, b, z = (t.contiguous() for t in (q, k, v, a, b, z))
         B, T, HV, V = v.shape
         out = torch.empty_like(z)
-        states = torch.empty(B, T, HV, q.shape[-1], V, dtype=state_pool.dtype, device=v.device)
+        want = (B, T, HV, q.shape[-1], V)
+        if states is None:
+            states = torch.empty(want, dtype=state_pool.dtype, device=v.device)
+        elif (tuple(states.shape) != want or states.dtype != state_pool.dtype
+              or not states.is_contiguous()):
+            raise ValueError(f"gdn_verify: states is {list(states.shape)} {states.dtype}; the "
+                             f"step writes a contiguous {list(want)} {state_pool.dtype}")
         slots = slots.to(state_pool.device).contiguous()   # a verify step's slots are a view
         fn(q, k, v, a, b, A_log, dt_bias, z, norm_w, state_pool, slots,
            out=out, states=states)

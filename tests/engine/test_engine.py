@@ -178,6 +178,39 @@ def test_planted_stale_state_fails_the_tolerance(weights, monkeypatch):
     assert got > 2 * ref + 2 ** -9, (got, ref, where)
 
 
+@pytest.mark.parametrize("state", ["fp32", "bf16"])
+def test_verify_steps_record_their_states_in_the_pools_verify_buffer(weights, monkeypatch, state):
+    """In the default mode the fast gdn_verify writes each verify step's states into its GDN layer's
+    verify buffer (impl/model/cache.py), which commit then reads: the record's states are views of
+    that buffer, and the tokens and logits equal those of an engine whose verify steps allocate
+    their states afresh."""
+    from impl.model.cache import GDNPool
+
+    def run() -> tuple[Engine, list]:
+        e = _engine(weights, state=state, k=3, invariant=False)
+        real, seen = e.model.commit_gdn, []
+
+        def commit(record, cache, slots, num_accepted):
+            seen.append([(record.states[li], layer.verify_states)
+                         for li, layer in enumerate(cache.layers) if isinstance(layer, GDNPool)])
+            return real(record, cache, slots, num_accepted)
+        monkeypatch.setattr(e.model, "commit_gdn", commit)
+        e.generate(_requests(LENGTHS))
+        return e, seen
+
+    shared, seen = run()
+    assert seen and all(buf is not None and rec.untyped_storage().data_ptr()
+                        == buf.untyped_storage().data_ptr()
+                        for step in seen for rec, buf in step)
+    monkeypatch.setattr(GDNPool, "verify_scratch", lambda self, requests, rows: None)
+    fresh, seen = run()
+    assert all(rec.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr()
+               for step in seen for rec, buf in step)
+    assert [s.output for s in shared.finished] == [s.output for s in fresh.finished]
+    trunk = lambda e: [c.logits for c in e.calls if c.kind == "trunk"]  # noqa: E731
+    assert all(torch.equal(a, b) for a, b in zip(trunk(shared), trunk(fresh), strict=True))
+
+
 # ---------------------------------------------------------------- planted bugs
 
 

@@ -13,6 +13,8 @@
 - The breakable prefill graph (impl/model/prefill_graphs.py), on the tiny model and on the target
   cut to 4 layers: a context or mixed step that fills its token bucket gives the eager step's logits
   and hidden rows bit for bit; padded steps keep the default mode's bound.
+- An engine whose memory plan exceeds the device's free memory is refused before it allocates;
+  the verify graphs of one engine share one verify buffer a GDN layer.
 - An eager decode step waits for the GPU nowhere in its trunk (torch's sync debug mode, "error").
   An eager verify step still does, in qsa_sparse_gqa's row tiling (an expected failure).
 """
@@ -95,6 +97,41 @@ def _full_bucket_steps(runs, kind: str = "decode") -> int:
             assert torch.equal(a.logits, b.logits), f"{kind} step {i}: replay differs from eager"
             compared += 1
     return compared
+
+
+def test_an_engine_larger_than_the_free_memory_is_refused_before_it_allocates(target4):
+    cfg, weights = target4
+    config = EngineConfig(model="target", device="cuda", max_batch_size=4096, max_num_tokens=64,
+                          max_seq_len=131072)
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(ConfigRefused, match="memory_fits_the_device"):
+        Engine(config, weights, cfg=cfg)
+    assert torch.cuda.memory_allocated() == before
+
+
+def test_verify_graphs_share_one_verify_buffer(target4, monkeypatch):
+    """Verify graphs captured at several batch buckets add no copy of the states their steps
+    record: every verify step's record, replayed from any graph, holds views of the pools' verify
+    buffers."""
+    cfg, weights = target4
+    config = EngineConfig(model="target", device="cuda", max_batch_size=4, max_num_tokens=64,
+                          max_seq_len=96, cuda_graphs=True,
+                          speculative=SpeculativeConfig(draft_length=3))
+    e = Engine(config, weights, cfg=cfg)
+    buffers = {layer.verify_states.untyped_storage().data_ptr() for layer in e.cache.layers
+               if hasattr(layer, "verify_states")}
+    real, seen = e.model.commit_gdn, []
+
+    def commit(record, cache, slots, num_accepted):
+        seen.append({s.untyped_storage().data_ptr() for s in record.states.values()})
+        return real(record, cache, slots, num_accepted)
+    monkeypatch.setattr(e.model, "commit_gdn", commit)
+    gen = torch.Generator().manual_seed(3)
+    e.generate([Request(request_id=f"r{i}", max_new_tokens=new,
+                        prompt=tuple(torch.randint(0, cfg.vocab_size, (21,), generator=gen).tolist()))
+                for i, new in enumerate([4, 6, 8, 8])])
+    assert len([key for key in e.graphs.graphs if key[0] == 4]) >= 2, list(e.graphs.graphs)
+    assert seen and all(ptrs <= buffers for ptrs in seen)
 
 
 @pytest.mark.parametrize("kv,state", [("bf16", "fp32"), ("fp8", "bf16"), ("nvfp4", "fp32")])

@@ -13,7 +13,7 @@ from impl.model.engine import Engine
 from impl.model.engine_config import (EngineConfig, RuleContext, SpeculativeConfig, default_context,
                                       engine_memory, explain)
 from impl.model.expert_copy import (CHECKPOINT_LAYOUT, LARGE_LAUNCHES, LargeLaunch, expert_copy)
-from impl.model.memory import memory_plan
+from impl.model.memory import memory_plan, memory_shortfall
 from spec.config import ModelConfig
 
 TINY, TARGET = ModelConfig.tiny(), ModelConfig.target()
@@ -43,19 +43,43 @@ def tensor_bytes(*objs: object) -> int:
 @pytest.mark.parametrize("kv", ["bf16", "fp8", "nvfp4"])
 @pytest.mark.parametrize("state,mtp", [("fp32", True), ("bf16", False)])
 def test_the_plan_is_what_the_cache_allocates(model, kv, state, mtp):
-    slots, max_seq_len = 3, 70
+    slots, max_seq_len, rows = 3, 70, 4 if mtp else 0
     cache = EngineCache.allocate(model, slots, max_seq_len, torch.bfloat16, kv, _DTYPE[state],
-                                 torch.device("meta"), with_mtp=mtp)
+                                 torch.device("meta"), with_mtp=mtp, verify_rows=rows)
     copy = expert_copy(None, 1, True, model)
     plan = memory_plan(model, slots=slots, max_seq_len=max_seq_len, kv_dtype=kv, state_dtype=state,
-                       model_dtype="bf16", with_mtp=mtp, expert_copy=copy)
+                       model_dtype="bf16", with_mtp=mtp, expert_copy=copy, verify_rows=rows)
     planes = [layer for layer in cache.layers if not hasattr(layer, "state")] + (
         [cache.mtp] if mtp else [])
     pools = [layer for layer in cache.layers if hasattr(layer, "state")]
     assert plan.pages == cache.pages.num_pages
     assert plan.kv_pages == tensor_bytes(*planes)
-    assert plan.state_pools == tensor_bytes(*pools, cache.ple_history)
+    assert plan.state_pools == tensor_bytes(*(p.state for p in pools), *(p.conv for p in pools),
+                                            cache.ple_history)
+    assert plan.verify_states == tensor_bytes(*(p.verify_states for p in pools))
+    assert (plan.verify_states > 0) == mtp
     assert plan.total == tensor_bytes(cache.layers, cache.mtp, cache.ple_history)
+
+
+@pytest.mark.parametrize("commit,counted", [("cached", True), ("recompute", False)])
+def test_the_cached_commit_counts_its_verify_states(commit, counted):
+    config = EngineConfig(model="target", max_batch_size=128, max_seq_len=2048, state_dtype="fp32",
+                          speculative=SpeculativeConfig(draft_length=3), gdn_commit=commit)
+    plan = engine_memory(config, default_context(config))
+    one = TARGET.gdn_value_heads * TARGET.gdn_d_k * TARGET.gdn_d_v * 4    # an fp32 state
+    want = TARGET.num_gdn_layers * config.cache_slots * 4 * one if counted else 0
+    assert plan.verify_states == want
+    assert any("verify states" in line for line in plan.lines()) == counted
+
+
+def test_a_plan_larger_than_the_free_memory_is_refused_naming_its_parts():
+    config = EngineConfig(model="target", max_batch_size=128, max_seq_len=2048,
+                          speculative=SpeculativeConfig(draft_length=3))
+    plan = engine_memory(config, default_context(config))
+    assert memory_shortfall(plan, plan.total) is None
+    why = memory_shortfall(plan, plan.total - 1)
+    assert why is not None and "GDN verify states (cached commit)" in why
+    assert f"{plan.total / 2**30:.2f} GiB" in why
 
 
 def test_the_engine_counts_its_spare_graph_slot():
