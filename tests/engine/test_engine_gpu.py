@@ -99,12 +99,17 @@ def _full_bucket_steps(runs, kind: str = "decode") -> int:
     return compared
 
 
-def test_an_engine_larger_than_the_free_memory_is_refused_before_it_allocates(target4):
+def test_an_engine_larger_than_the_free_memory_is_refused_before_it_allocates(target4,
+                                                                                 monkeypatch):
+    """The device reports 1 MiB free: the engine is refused by memory_fits_the_device, naming its
+    plan, and allocates nothing."""
     cfg, weights = target4
-    config = EngineConfig(model="target", device="cuda", max_batch_size=4096, max_num_tokens=64,
-                          max_seq_len=131072)
+    config = EngineConfig(model="target", device="cuda", max_batch_size=4, max_num_tokens=64,
+                          max_seq_len=96, speculative=SpeculativeConfig(draft_length=3))
+    total = torch.cuda.mem_get_info()[1]
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2**20, total))
     before = torch.cuda.memory_allocated()
-    with pytest.raises(ConfigRefused, match="memory_fits_the_device"):
+    with pytest.raises(ConfigRefused, match="(?s)memory_fits_the_device.*GDN verify states"):
         Engine(config, weights, cfg=cfg)
     assert torch.cuda.memory_allocated() == before
 
