@@ -15,8 +15,9 @@ kernel compiled, the batch's first graphs captured), one run of B random prompts
 ``--prompt-len`` tokens to ``--new-tokens`` tokens, greedy, each step timed on the host (a step ends
 by reading its tokens). The prefill time is the sum of the steps that read prompts; the decode step
 time is the median decode step (a graph captured mid-run at a new table width is one outlier). The
-floor is the bytes one decode step must move (``decode_step_bytes``) over the device-to-device copy
-bandwidth measured in the same run. The issue's protocol: ``--prompt-len 8192 --batch 1,32,128``.
+floor is the bytes one decode step must move (``decode_step_bytes``; with ``--draft-length`` one
+speculative step, ``speculative_step_bytes``) over the device-to-device copy bandwidth measured in
+the same run. The issue's protocol: ``--prompt-len 8192 --batch 1,32,128``.
 ``--modes`` picks the engines timed at every batch size: ``eager`` (the fast variants, step by
 step), ``graphs`` (the same with decode steps replayed from CUDA graphs), ``all_graphs`` (the
 same with context steps replayed from breakable prefill graphs too) and ``torch`` (only the
@@ -69,14 +70,13 @@ def decode_step_bytes(cfg: ModelConfig, rows: int, context: int, kv: str, state:
     routed_per_layer = cfg.num_experts * 3 * cfg.expert_inter * C
     dense = (p["lm_head"] + p["final_norm"] + p["gdn_mixers"] + p["qsa_mixers"] + p["hc_and_norms"]
              + p["ple_projections"] + p["moe"] - L * routed_per_layer)
-    per_expert = 3 * cfg.expert_inter * C * (1 / 2 + 1 / NVFP4_BLOCK)
     selected = min(context, (cfg.top_k_blocks + cfg.sink_blocks + cfg.local_blocks)
                    * cfg.tokens_per_block)
     ngram_rows = len(cfg.ple_ngram_orders) * cfg.ple_hash_heads
     gathered = C + L * P + ngram_rows * (L * P // cfg.ple_num_heads)
     return {
         "dense weights": dense * BF16,
-        "routed experts": L * distinct_experts(cfg, rows) * per_expert,
+        "routed experts": L * distinct_experts(cfg, rows) * expert_bytes(cfg),
         "embedding + PLE rows": rows * gathered * BF16,
         "KV selected + index keys": cfg.num_qsa_layers * rows * (
             selected * cfg.kv_bytes_per_token_per_layer(kv)
@@ -84,6 +84,44 @@ def decode_step_bytes(cfg: ModelConfig, rows: int, context: int, kv: str, state:
         "GDN state r+w": 2 * rows * cfg.gdn_state_bytes_per_slot(state),
         "logits": rows * V * 4,
     }
+
+
+def speculative_step_bytes(cfg: ModelConfig, requests: int, context: int, kv: str, state: str,
+                           draft_length: int) -> dict:
+    """Bytes one speculative step must move, by part: the trunk verifies K + 1 rows a request
+    (``decode_step_bytes`` over those rows, except that a request's GDN state is read once and
+    written once, its accepted row's, and its index keys and selected KV are read once for all its
+    rows), then K draft passes, each reading the MTP layer's weights other than its routed experts,
+    the LM head, the experts its rows select, one embedding row, the draft layer's KV and index
+    keys a request, and writing each row's fp32 logits (the passes run one after another: each
+    drafts from the last one's token). The verify buffer of the cached commit is not in the floor:
+    a commit that re-runs the accepted rows keeps none."""
+    K, C, V = draft_length, cfg.hidden, cfg.vocab_size
+    trunk = decode_step_bytes(cfg, requests * (K + 1), context, kv, state)
+    once = decode_step_bytes(cfg, requests, context, kv, state)
+    for part in ("KV selected + index keys", "GDN state r+w"):
+        trunk[part] = once[part]
+    routed = cfg.num_experts * 3 * cfg.expert_inter * C
+    mtp_dense = cfg.param_breakdown()["mtp"] - cfg.mtp_layers * routed
+    attention = once["KV selected + index keys"] / cfg.num_qsa_layers
+    one_pass = ((mtp_dense + V * C) * BF16
+                + cfg.mtp_layers * distinct_experts(cfg, requests) * expert_bytes(cfg)
+                + requests * C * BF16 + cfg.mtp_layers * attention + requests * V * 4)
+    return {**trunk, "draft passes": K * one_pass}
+
+
+def expert_bytes(cfg: ModelConfig) -> float:
+    """One routed expert's gate, up and down matrices: nvfp4 codes and e4m3 block scales."""
+    return 3 * cfg.expert_inter * cfg.hidden * (1 / 2 + 1 / NVFP4_BLOCK)
+
+
+def step_bytes(cfg: ModelConfig, requests: int, context: int, kv: str, state: str,
+               draft_length: int) -> dict:
+    """The floor's bytes of one generation step: a decode step, or with a draft length a
+    speculative one."""
+    if draft_length:
+        return speculative_step_bytes(cfg, requests, context, kv, state, draft_length)
+    return decode_step_bytes(cfg, requests, context, kv, state)
 
 
 def _requests(cfg: ModelConfig, rows: int, prompt_len: int, new: int, seed: int) -> list[Request]:
@@ -287,7 +325,7 @@ def main() -> None:
             plen = args.peer_prompt_len if torch_mode else args.prompt_len
             wanted = args.peer_tokens if torch_mode else args.new_tokens
             new = wanted + -(-rows * plen // step_tokens(rows, plen))
-            parts = decode_step_bytes(cfg, rows, plen + new // 2, args.kv, args.state)
+            parts = step_bytes(cfg, rows, plen + new // 2, args.kv, args.state, args.draft_length)
             total = sum(parts.values())
             big = max(parts, key=parts.get)
             engine = _engine(cfg, weights, args, rows, mode, plen, new)
@@ -307,8 +345,8 @@ def main() -> None:
                                  f"tokens a request {sorted(produced.values())} of {new}")
             step = times.median_decode()
             steps[(rows, mode)] = step
-            floor = f"{total / bw * 1e3:.2f}" if bw and not args.draft_length else "-"
-            share = f"{100 * total / bw / step:.1f} %" if bw and not args.draft_length else "-"
+            floor = f"{total / bw * 1e3:.2f}" if bw else "-"
+            share = f"{100 * total / bw / step:.1f} %" if bw else "-"
             lines.append(f"| {rows} | {mode} | {plen} | {times.prefill:.2f} | {rows / step:.1f} | "
                          f"{step * 1e3:.2f} | {times.spread()} | {len(times.decode)} | "
                          f"{total / 1e6:.0f} | {floor} | {share} | "
@@ -336,8 +374,9 @@ def main() -> None:
                   "this one's):", ""]
         lines += ratios
     context = args.prompt_len + args.new_tokens // 2
-    lines += ["", "Bytes a decode step must move, by part (MB), at the largest batch:", ""]
-    parts = decode_step_bytes(cfg, batches[-1], context, args.kv, args.state)
+    lines += ["", f"Bytes a {'speculative' if args.draft_length else 'decode'} step must move, by part "
+              "(MB), at the largest batch:", ""]
+    parts = step_bytes(cfg, batches[-1], context, args.kv, args.state, args.draft_length)
     lines += [f"- {name}: {value / 1e6:.1f}" for name, value in parts.items()]
     if args.smoke:
         print("smoke passed; nothing written")
