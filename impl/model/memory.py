@@ -118,5 +118,7 @@ def memory_shortfall(plan: MemoryPlan, free_bytes: int) -> str | None:
     fit is refused before anything is allocated."""
     if plan.total <= free_bytes:
         return None
+    hint = (f"\n  gdn_commit 'recompute' keeps no verify states "
+            f"({plan.verify_states / 2**30:.3f} GiB less)" if plan.verify_states else "")
     return (f"the plan needs {plan.total / 2**30:.2f} GiB and {free_bytes / 2**30:.2f} GiB are free "
-            "on the device:\n" + "\n".join(plan.lines()))
+            "on the device:\n" + "\n".join(plan.lines()) + hint)

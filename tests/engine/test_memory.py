@@ -80,6 +80,9 @@ def test_a_plan_larger_than_the_free_memory_is_refused_naming_its_parts():
     why = memory_shortfall(plan, plan.total - 1)
     assert why is not None and "GDN verify states (cached commit)" in why
     assert f"{plan.total / 2**30:.2f} GiB" in why
+    assert f"recompute' keeps no verify states ({plan.verify_states / 2**30:.3f} GiB less)" in why
+    plain = engine_memory(config.model_copy(update={"speculative": None}), default_context(config))
+    assert "recompute" not in memory_shortfall(plain, 0)
 
 
 def test_the_engine_counts_its_spare_graph_slot():
