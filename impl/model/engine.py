@@ -53,8 +53,8 @@ from impl.model.dispatch import Dispatcher
 from impl.model.engine_config import (ConfigRefused, EngineConfig, Refusal, RoutePlan,
                                       default_context, engine_memory, route, verify_rows)
 from impl.model.graphs import StepGraphs
-from impl.model.prefill_graphs import PrefillGraphs
 from impl.model.memory import FITS_RULE, FITS_STATEMENT, memory_shortfall
+from impl.model.prefill_graphs import PrefillGraphs
 from impl.model.model import Model, Span, StepOutput, StepRows
 from impl.model.ops import Ops
 from impl.model.placement import HostMapped, with_host_ple_tables

@@ -1,6 +1,6 @@
 """The memory an engine holds beside the weights, from its configuration and the geometry alone.
 
-Three parts, in bytes:
+Its parts, in bytes:
 
 - ``kv_pages``: the page pool (impl/model/cache.py): every slot's pages at ``max_seq_len``, each page
   holding, for every QSA layer (and the MTP draft layer with speculation), its K and V (bf16, fp8, or
@@ -97,12 +97,11 @@ def memory_plan(model: ModelConfig, *, slots: int, max_seq_len: int, kv_dtype: s
     pages = slots * -(-max_seq_len // PAGE)
     layers = model.num_qsa_layers + (model.mtp_layers if with_mtp else 0)
     kv = pages * layers * page_bytes(model, kv_dtype, act)
+    state = model.gdn_value_heads * model.gdn_d_k * model.gdn_d_v * _STATE_BYTES[state_dtype]
     gdn = model.num_gdn_layers * slots * (
-        model.gdn_value_heads * model.gdn_d_k * model.gdn_d_v * _STATE_BYTES[state_dtype]
-        + model.gdn_conv_channels * (model.gdn_conv_kernel - 1) * act)
+        state + model.gdn_conv_channels * (model.gdn_conv_kernel - 1) * act)
     ple = slots * 2 * _INT64
     breaks = prefill_break_bytes(model, prefill_rows, act) if prefill_rows else 0
-    state = model.gdn_value_heads * model.gdn_d_k * model.gdn_d_v * _STATE_BYTES[state_dtype]
     verify = model.num_gdn_layers * slots * verify_rows * state
     return MemoryPlan(pages, kv, gdn + ple, expert_copy, breaks, verify)
 
